@@ -1,0 +1,37 @@
+# Set-up and checks. `make demo` and `make test` work on a fresh machine (see README).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-slow test-all lint bench
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch that lies on disk; an unpinned torch would pull a CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/moeserve generate --prompt "The expert said" --max-tokens 48 --temperature 0.8 --seed 0
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check moeserve tests benchmarks
+	$(BIN)/ruff format --check moeserve tests benchmarks
+
+bench: setup
+	$(BIN)/python benchmarks/offline_throughput.py

@@ -1,0 +1,109 @@
+"""``moeserve`` command line: ``generate`` (streams to the terminal) and ``demo-model``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory (default: the built-in demo)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--no-mtp", action="store_true", help="do not load the MTP layers")
+    p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from moeserve import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        load_mtp=not args.no_mtp,
+        num_threads=args.threads,
+        progress=not args.quiet,
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or (),
+        ignore_eos=args.ignore_eos,
+    )
+    tok = llm.get_tokenizer()
+    if args.chat:
+        if tok is None:
+            print("error: --chat needs a model with a tokenizer", file=sys.stderr)
+            return 2
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt = tok.encode(text, add_special_tokens=False)
+    else:
+        prompt = args.prompt
+    printed = 0
+    last = None
+    for out in llm.stream(prompt, params):
+        text = out.outputs[0].text
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+        last = out
+    sys.stdout.write("\n")
+    if last is not None and not args.quiet:
+        c = last.outputs[0]
+        print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo_model(args: argparse.Namespace) -> int:
+    from moeserve.demo import write_demo_model
+
+    path = write_demo_model(args.path)
+    print(f"wrote the demo model to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed")
+    _add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    g.set_defaults(func=_cmd_generate)
+
+    d = sub.add_parser("demo-model", help="write the built-in demo model as a HF directory")
+    d.add_argument("path")
+    d.set_defaults(func=_cmd_demo_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Engine configuration: one frozen dataclass, validated once; derived values are properties."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """AVX-512-BF16 or AMX-BF16 in /proc/cpuinfo (Linux); False when unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on GPUs and on CPUs with fast bf16, else fp32 (the fast path on AVX2)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {dtype!r}; choose auto, {', '.join(sorted(set(_DTYPES)))}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_gb: float | None = None  # default: enough for max_num_seqs full contexts, <= 4
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None
+    load_mtp: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        resolve_dtype(self.dtype, torch.device("cpu"))  # validates the name
+
+    @property
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.torch_device)
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("MOESERVE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "moeserve"
+    )

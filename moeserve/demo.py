@@ -1,0 +1,325 @@
+"""The built-in demo model: a tiny DeepSeek-V3 checkpoint every command falls back to.
+
+``write_demo_model(path)`` writes a complete Hugging Face directory (config.json, sharded
+safetensors with MTP weights, tokenizer.json, tokenizer_config.json with a DeepSeek-V3-style
+chat template, generation_config.json). The weights are fixed-seed random, so the model
+speaks nonsense, but every code path of a real checkpoint is exercised: MLA with q/kv LoRA,
+yarn rope, one dense layer then MoE layers with grouped sigmoid routing, a shared expert, a
+score-correction bias, and a next-token-prediction (MTP) layer. Same bytes on every call.
+
+The tokenizer is a byte-level BPE (vocab 512) trained with ``tokenizers`` on
+``data/demo_corpus.txt``; the result ships as ``data/demo_tokenizer.json`` so nothing is
+trained at run time. ``train_demo_tokenizer()`` regenerates it (``python -m moeserve.demo``);
+a test checks that regenerating gives the shipped file byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+DATA_DIR = Path(__file__).parent / "data"
+CORPUS_PATH = DATA_DIR / "demo_corpus.txt"
+TOKENIZER_PATH = DATA_DIR / "demo_tokenizer.json"
+DEMO_NAME = "demo-model-v1"  # bump when the written bytes change, so caches are rebuilt
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT)  # ids 0..3, in this order
+VOCAB_SIZE = 512
+SEED = 1234
+INIT_STD = 0.1  # matrices; above the usual 0.02 so greedy output does not repeat one token
+HEAD_STD = 0.5  # output heads: peaky logits, so greedy parity tests have clear argmaxes
+BIAS_STD = 0.05  # e_score_correction_bias: small but large enough to change routing
+
+# DeepSeek-V3's template, cut down to system/user/assistant turns (no tool calls).
+CHAT_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
+    "{% endif %}"
+    "{% set ns = namespace(system_prompt='', is_first_sp=true) %}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{% if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}"
+    "{% set ns.is_first_sp = false %}"
+    "{% else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}"
+    "{% endif %}{% endif %}{% endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{% elif message['role'] != 'system' %}"
+    "{{ raise_exception('the demo chat template supports system, user and assistant roles, "
+    "not ' + message['role']) }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
+DEMO_CONFIG: dict = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "use_cache": True,
+    "torch_dtype": "float32",
+}
+
+TOKENIZER_CONFIG: dict = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "bos_token": BOS,
+    "eos_token": EOS,
+    "pad_token": EOS,
+    "clean_up_tokenization_spaces": False,
+    "model_max_length": DEMO_CONFIG["max_position_embeddings"],
+    "chat_template": CHAT_TEMPLATE,
+}
+
+GENERATION_CONFIG: dict = {"bos_token_id": 0, "eos_token_id": 1}
+
+
+def train_demo_tokenizer(corpus_path: Path = CORPUS_PATH) -> str:
+    """Train the demo byte-level BPE on ``corpus_path``; return tokenizer.json text.
+
+    Deterministic: the same corpus gives the same string in any process.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = corpus_path.read_text(encoding="utf-8").splitlines(keepends=True)
+    tok.train_from_iterator(lines, trainer)
+    # What transformers builds for add_bos_token=True, so the file alone also adds BOS.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, 0)]
+    )
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"demo tokenizer has {tok.get_vocab_size()} tokens, want {VOCAB_SIZE}")
+    return tok.to_str(pretty=True) + "\n"
+
+
+def _weight_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, init) for every tensor, in a fixed order; init is normal|head|ones|bias."""
+    d, v = cfg["hidden_size"], cfg["vocab_size"]
+    h, nope, rope, vd = (
+        cfg["num_attention_heads"],
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["v_head_dim"],
+    )
+    ql, kvl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    dense_f, f, n_exp = (
+        cfg["intermediate_size"],
+        cfg["moe_intermediate_size"],
+        cfg["n_routed_experts"],
+    )
+    shared_f = f * cfg["n_shared_experts"]
+
+    def mlp(prefix: str, ffn: int) -> list[tuple[str, tuple[int, ...], str]]:
+        return [
+            (f"{prefix}.gate_proj.weight", (ffn, d), "normal"),
+            (f"{prefix}.up_proj.weight", (ffn, d), "normal"),
+            (f"{prefix}.down_proj.weight", (d, ffn), "normal"),
+        ]
+
+    def layer(i: int) -> list[tuple[str, tuple[int, ...], str]]:
+        p = f"model.layers.{i}"
+        specs = [
+            (f"{p}.input_layernorm.weight", (d,), "ones"),
+            (f"{p}.post_attention_layernorm.weight", (d,), "ones"),
+            (f"{p}.self_attn.q_a_proj.weight", (ql, d), "normal"),
+            (f"{p}.self_attn.q_a_layernorm.weight", (ql,), "ones"),
+            (f"{p}.self_attn.q_b_proj.weight", (h * (nope + rope), ql), "normal"),
+            (f"{p}.self_attn.kv_a_proj_with_mqa.weight", (kvl + rope, d), "normal"),
+            (f"{p}.self_attn.kv_a_layernorm.weight", (kvl,), "ones"),
+            (f"{p}.self_attn.kv_b_proj.weight", (h * (nope + vd), kvl), "normal"),
+            (f"{p}.self_attn.o_proj.weight", (d, h * vd), "normal"),
+        ]
+        if i < cfg["first_k_dense_replace"]:
+            return specs + mlp(f"{p}.mlp", dense_f)
+        specs += [
+            (f"{p}.mlp.gate.weight", (n_exp, d), "normal"),
+            (f"{p}.mlp.gate.e_score_correction_bias", (n_exp,), "bias"),
+        ]
+        for e in range(n_exp):
+            specs += mlp(f"{p}.mlp.experts.{e}", f)
+        return specs + mlp(f"{p}.mlp.shared_experts", shared_f)
+
+    n = cfg["num_hidden_layers"]
+    specs = [("model.embed_tokens.weight", (v, d), "normal")]
+    for i in range(n + cfg["num_nextn_predict_layers"]):
+        specs += layer(i)
+        if i >= n:  # MTP layer: a full MoE decoder layer plus its own projections and head
+            p = f"model.layers.{i}"
+            specs += [
+                (f"{p}.enorm.weight", (d,), "ones"),
+                (f"{p}.hnorm.weight", (d,), "ones"),
+                (f"{p}.eh_proj.weight", (d, 2 * d), "normal"),
+                (f"{p}.embed_tokens.weight", (v, d), "normal"),
+                (f"{p}.shared_head.norm.weight", (d,), "ones"),
+                (f"{p}.shared_head.head.weight", (v, d), "head"),
+            ]
+    specs += [("model.norm.weight", (d,), "ones"), ("lm_head.weight", (v, d), "head")]
+    return specs
+
+
+def demo_weights() -> dict[str, torch.Tensor]:
+    """All demo tensors (fp32, contiguous), drawn from one seeded generator in spec order."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    std = {"normal": INIT_STD, "head": HEAD_STD, "bias": BIAS_STD}
+    out = {}
+    for name, shape, init in _weight_specs(DEMO_CONFIG):
+        if init == "ones":
+            out[name] = torch.ones(shape, dtype=torch.float32)
+        else:
+            out[name] = torch.randn(shape, generator=g, dtype=torch.float32) * std[init]
+    return out
+
+
+def _shard_of(name: str) -> int:
+    """Shard 1 holds the embeddings and the first two layers; shard 2 holds the rest."""
+    if name.startswith("model.layers."):
+        return 1 if int(name.split(".")[2]) < 2 else 2
+    return 1 if name.startswith("model.embed_tokens.") else 2
+
+
+def _dump_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_demo_tokenizer(path: str | os.PathLike) -> Path:
+    """Write the demo's tokenizer.json, tokenizer_config.json and generation_config.json."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(TOKENIZER_PATH, out / "tokenizer.json")
+    _dump_json(out / "tokenizer_config.json", TOKENIZER_CONFIG)
+    _dump_json(out / "generation_config.json", GENERATION_CONFIG)
+    return out
+
+
+def write_demo_model(path: str | os.PathLike) -> Path:
+    """Write the demo model as a Hugging Face directory at ``path`` and return it.
+
+    Creates ``path`` if needed and overwrites the demo's files in it; leaves other files alone.
+    The output is byte-identical on every call (same torch version).
+    """
+    from safetensors.torch import save_file
+
+    out = write_demo_tokenizer(path)
+    shards: dict[int, dict] = {1: {}, 2: {}}
+    for name, t in demo_weights().items():
+        shards[_shard_of(name)][name] = t
+    weight_map, total = {}, 0
+    for k, tensors in shards.items():
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        (out / fname).chmod(0o644)  # safetensors writes 0600; the demo is no secret
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _dump_json(out / "model.safetensors.index.json", index)
+    _dump_json(out / "config.json", DEMO_CONFIG)
+    return out
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("MOESERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "moeserve"
+
+
+def demo_model_path() -> Path:
+    """Path of the demo model in ``$MOESERVE_CACHE`` (default ``~/.cache/moeserve``).
+
+    Written once into a temporary sibling directory and renamed into place, so a crash never
+    leaves a half-written model and concurrent callers agree on one copy.
+    """
+    root = _cache_root()
+    final = root / DEMO_NAME
+    if (final / "model.safetensors.index.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.tmp-", dir=root))
+    try:
+        write_demo_model(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "model.safetensors.index.json").is_file():
+                raise  # not a lost race with another writer: a real error
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes (used to check determinism)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+if __name__ == "__main__":  # regenerate the shipped tokenizer after editing the corpus
+    TOKENIZER_PATH.write_text(train_demo_tokenizer(), encoding="utf-8")
+    print(f"wrote {TOKENIZER_PATH}")

@@ -1,0 +1,171 @@
+"""The engine: requests in, :class:`RequestOutput` out, one scheduler step at a time.
+
+step():  batch = scheduler.schedule()
+         results = model_runner.run(batch)            # forward + sampling
+         updated = scheduler.update(batch, tokens)    # append, token-level stops, free
+         return outputs.process(updated)              # detokenize, stop strings, group by request
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from moeserve.config import EngineConfig
+from moeserve.core import PromptType, RequestOutput, SamplingParams, Sequence
+from moeserve.engine.model_runner import ModelRunner, SeqStepOutput
+from moeserve.engine.output_processor import OutputProcessor
+from moeserve.engine.scheduler import Scheduler, SchedulerConfig
+from moeserve.kvcache.pool import KVCachePool
+from moeserve.models.loader import load_model
+from moeserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+_DEFAULT_KV_CAP_GB = 4.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        t0 = time.perf_counter()
+        self.model, self.model_config, self.load_report = load_model(
+            config.model,
+            self.dtype,
+            self.device,
+            max_positions=None,
+            load_mtp=config.load_mtp,
+            progress=config.progress,
+        )
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={mc.max_position_embeddings}"
+            )
+        self.tokenizer = (
+            Tokenizer.from_dir(config.model)
+            if (Path(config.model) / "tokenizer.json").is_file()
+            else None
+        )
+        self.eos_token_ids = (
+            self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
+        )
+
+        spec = self.model.kv_cache_spec()
+        bs = config.block_size
+        if config.kv_cache_memory_gb is not None:
+            num_blocks = KVCachePool.blocks_for_budget(spec, bs, config.kv_cache_memory_gb * _GIB)
+        else:
+            want = config.max_num_seqs * (-(-self.max_model_len // bs)) + 1
+            cap = KVCachePool.blocks_for_budget(spec, bs, _DEFAULT_KV_CAP_GB * _GIB)
+            num_blocks = min(want, cap)
+        if num_blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds only {num_blocks * bs} tokens, fewer than max_model_len="
+                f"{self.max_model_len}: raise kv_cache_memory_gb or lower max_model_len"
+            )
+        self.kv_pool = KVCachePool.allocate(spec, num_blocks, bs, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=bs,
+                num_blocks=num_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_waiting=config.max_waiting_requests,
+            )
+        )
+        self.runner = ModelRunner(self.model, self.kv_pool.caches, bs, self.device)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        logger.info(
+            "engine ready in %.1fs: %s, %s on %s, %d KV blocks (%.2f GiB), max_model_len %d",
+            time.perf_counter() - t0,
+            mc.architecture,
+            self.dtype,
+            self.device,
+            num_blocks,
+            self.kv_pool.num_bytes / _GIB,
+            self.max_model_len,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request (text or token ids). Raises ValueError for a prompt we cannot run."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass token ids, not text")
+            prompt_text: str | None = prompt
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_text = None
+            prompt_ids = [int(t) for t in prompt]
+        self.validate_prompt(prompt_ids, params)
+        seqs = [
+            Sequence(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                params=params,
+                sample_index=i,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+            )
+            for i in range(params.n)
+        ]
+        self.outputs.add(request_id, prompt_text, prompt_ids, params, seqs)
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        except Exception:
+            self.scheduler.abort(request_id)
+            self.outputs.drop(request_id)
+            raise
+
+    def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for vocab size {vocab}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; this engine's max_model_len is "
+                f"{self.max_model_len}, which must leave room for at least one output token"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request at once; its KV blocks return to the pool before this returns."""
+        for seq in self.scheduler.abort(request_id):
+            self.outputs.on_abort(seq)
+        self.outputs.drop(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        results: list[SeqStepOutput] = self.runner.run(batch)
+        self.outputs.record_prompt_logprobs(batch, results)
+        updated = self.scheduler.update(batch, [(r.token_id, r.logprobs) for r in results])
+        return self.outputs.process(updated)

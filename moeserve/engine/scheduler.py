@@ -1,0 +1,275 @@
+"""Continuous batching with a per-step token budget (vLLM V1 style).
+
+Each :meth:`Scheduler.schedule` call builds one step:
+
+1. RUNNING sequences, in order, each get ``num_tokens - num_computed_tokens`` tokens (1 for a
+   decode; the rest of a partly computed prompt, cut to the budget left). When the blocks run
+   out, the most recently arrived running sequence is preempted by recompute (blocks freed,
+   back to the FRONT of the waiting queue) and the allocation retried; a sequence may preempt
+   itself, and then it waits.
+2. If nothing was preempted, WAITING sequences are admitted first come, first served while the
+   budget, ``max_num_seqs`` and the free blocks allow, each after a prefix-cache lookup. A
+   prompt longer than the budget left is chunked (chunked prefill) or waits for a later step.
+   Admission never preempts.
+
+A preempted sequence recomputes prompt + outputs as its "prompt"; ``num_tokens -
+num_computed_tokens`` covers that with no special case.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from moeserve.core import (
+    Batch,
+    FinishReason,
+    PositionLogprobs,
+    ScheduledSeq,
+    Sequence,
+    SequenceStatus,
+)
+from moeserve.kvcache.block_manager import BlockManager
+
+# what the model runner sampled for one entry of a Batch: (token id, its logprobs), both None
+# for an entry that does not sample (a chunk ending inside the prompt)
+SampledToken = tuple[int | None, PositionLogprobs | None]
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full; the server answers 503."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    num_blocks: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_waiting: int | None = None  # sequences; None: unbounded
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (
+                self.max_num_batched_tokens >= 1,
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+            ),
+            (self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"),
+            (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),
+            (self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}"),
+            (
+                self.max_waiting is None or self.max_waiting >= 1,
+                f"max_waiting must be None or >= 1, got {self.max_waiting}",
+            ),
+            (
+                self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens})"
+                f" must be >= max_model_len ({self.max_model_len}): enable chunked prefill or "
+                "raise the token budget",
+            ),
+            (
+                self.num_blocks * self.block_size >= self.max_model_len,
+                f"the KV cache holds {self.num_blocks * self.block_size} tokens, fewer than one "
+                f"sequence of max_model_len={self.max_model_len}: raise the KV-cache memory or "
+                "lower max_model_len",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager; see the module docstring.
+
+    Invariants (:meth:`check_integrity`): waiting sequences hold no blocks; running ones hold
+    blocks covering their computed tokens; every unfinished sequence is in exactly one queue.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises ValueError when its prompt leaves no room for an output
+        token within max_model_len, QueueFullError when the bounded queue is full."""
+        limit = self.config.max_model_len
+        if seq.num_prompt_tokens > limit - 1:
+            raise ValueError(
+                f"the prompt has {seq.num_prompt_tokens} tokens; max_model_len is {limit}, "
+                "which must leave room for at least one output token"
+            )
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.max_waiting} sequences); retry later"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> Batch | None:
+        """Pick this step's sequences and allocate their slots; None when nothing can run."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        bm = self.block_manager
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                # the newest running sequence not yet scheduled this step (maybe seq itself)
+                victim = max(self.running[i:], key=lambda s: (s.arrival_time, s.seq_id))
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, n)
+                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+                budget -= n
+                i += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            cached = bm.lookup_prefix(seq)
+            n = seq.num_tokens - len(cached) * self.config.block_size
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not bm.can_allocate(seq, n, cached):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, n, cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+        if not scheduled:
+            return None
+        # decodes (one new token) first, then multi-token chunks; stable within each group
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return Batch(tuple(scheduled))
+
+    def update(self, batch: Batch, sampled: list[SampledToken]) -> list[Sequence]:
+        """Apply a step's results: ``sampled[i]`` is ``(token_id, logprobs)`` for
+        ``batch.seqs[i]``, both None when that entry does not sample.
+
+        Advances every entry's ``num_computed_tokens``, registers newly full blocks in the
+        prefix cache, appends sampled tokens and applies token-level stops (EOS, stop ids,
+        max_tokens, max_model_len); finished sequences leave the running queue and free their
+        blocks. Returns the sequences that got a token, finished or not. Entries aborted since
+        :meth:`schedule` are skipped.
+        """
+        if len(sampled) != len(batch.seqs):
+            raise ValueError(f"got {len(sampled)} results for a batch of {len(batch.seqs)}")
+        updated: list[Sequence] = []
+        for entry, (token_id, logprobs) in zip(batch.seqs, sampled, strict=True):
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq.num_computed_tokens != entry.start:
+                raise AssertionError(f"sequence {seq.seq_id} moved since it was scheduled")
+            samples = entry.sample  # read before the append changes num_tokens
+            if samples != (token_id is not None):
+                raise ValueError(
+                    f"sequence {seq.seq_id}: sample={samples} but got token {token_id!r}"
+                )
+            seq.num_computed_tokens = entry.end
+            self.block_manager.commit_full_blocks(seq)
+            if not samples:
+                continue
+            seq.append_token(token_id, logprobs)
+            if not seq.check_token_stop() and seq.num_tokens >= self.config.max_model_len:
+                seq.finish(FinishReason.LENGTH)
+            if seq.is_finished:
+                self.block_manager.free(seq)
+            updated.append(seq)
+        self.running = [s for s in self.running if not s.is_finished]
+        return updated
+
+    # -- leaving early ----------------------------------------------------------------------
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
+        """Finish ``seq`` now (a stop string, found by the detokenizer): frees its blocks."""
+        if seq.is_finished:
+            return
+        self._remove(seq)
+        seq.finish(reason, stop_reason)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of ``request_id`` with ABORT, freeing its blocks
+        before returning; returns those sequences (empty for an unknown id)."""
+        seqs = [s for s in (*self.running, *self.waiting) if s.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, FinishReason.ABORT)
+        return seqs
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)  # also resets num_computed_tokens to 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- self-check ---------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError when queues and blocks disagree (tests and idle checks)."""
+        self.block_manager.check_integrity()
+        bs = self.config.block_size
+        running_ids = {s.seq_id for s in self.running}
+        if len(running_ids) != len(self.running) or len(self.running) > self.config.max_num_seqs:
+            raise AssertionError(f"scheduler: bad running queue ({len(self.running)} entries)")
+        for seq in self.running:
+            if seq.status is not SequenceStatus.RUNNING:
+                raise AssertionError(f"scheduler: running sequence {seq.seq_id} is {seq.status}")
+            if len(seq.block_table) * bs < seq.num_computed_tokens:
+                raise AssertionError(
+                    f"scheduler: sequence {seq.seq_id} has {seq.num_computed_tokens} computed "
+                    f"tokens but {len(seq.block_table)} blocks of {bs}"
+                )
+        for seq in self.waiting:
+            if seq.status is not SequenceStatus.WAITING or seq.seq_id in running_ids:
+                raise AssertionError(f"scheduler: waiting sequence {seq.seq_id} is misplaced")
+            if seq.block_table or seq.num_computed_tokens:
+                raise AssertionError(f"scheduler: waiting sequence {seq.seq_id} holds KV state")

@@ -1,0 +1,139 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) over a paged latent cache.
+
+Shape legend: T tokens, H heads, C kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim,
+V v_head_dim, L context length, B decode sequences, D model dim.
+
+The cache keeps, per token, ``[c_kv (C, normed) | k_pe (R, roped)]``: C + R numbers instead of
+H * (N + R + V). Two ways to attend over it, kept side by side:
+
+- naive (prefill): expand the latent with ``kv_b_proj`` into per-head keys and values, then
+  ordinary attention. Cheap when many queries share the expansion.
+- absorbed (decode): fold ``W_UK`` into the query and ``W_UV`` into the output, so scores are
+  taken directly against the latent: ``score = (q_nope W_UK) . c_kv + q_pe . k_pe``. No
+  per-token expansion, so each decode step reads only C + R numbers per cached token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.layers.attention_meta import AttentionMetadata, causal_bias
+from moeserve.layers.linear import Linear
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+from moeserve.models.hf_config import ModelConfig
+from moeserve.models.weights import WeightSpec
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int, dtype=torch.float32) -> None:
+        super().__init__()
+        c = config
+        self.H, self.C, self.R = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        self.N, self.V = c.qk_nope_head_dim, c.v_head_dim
+        D = c.hidden_size
+        if c.q_lora_rank:
+            self.q_a_proj = Linear(D, c.q_lora_rank, bias=c.attention_bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, self.H * (self.N + self.R), dtype=dtype)
+            self.q_proj = None
+        else:
+            self.q_proj = Linear(D, self.H * (self.N + self.R), dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(D, self.C + self.R, bias=c.attention_bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.C, c.rms_norm_eps, dtype)
+        self.kv_b_proj = Linear(self.C, self.H * (self.N + self.V), dtype=dtype)
+        self.o_proj = Linear(self.H * self.V, D, bias=c.attention_bias, dtype=dtype)
+        self.rotary = RotaryEmbedding(c.rope, self.R, max_positions)
+        self.scale = yarn_softmax_scale(c.rope, self.N + self.R)
+        self.kv_cache: torch.Tensor | None = None  # [num_slots, C + R], bound by the runner
+        # absorbed weights, derived from kv_b_proj after loading
+        self.w_uk_HNC: torch.Tensor | None = None
+        self.w_uv_HCV: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        w = self.kv_b_proj.weight.view(self.H, self.N + self.V, self.C)
+        self.w_uk_HNC = w[:, : self.N, :].contiguous()
+        self.w_uv_HCV = w[:, self.N :, :].transpose(1, 2).contiguous()
+
+    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
+        specs: dict[str, WeightSpec] = {}
+        names = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+        names += (
+            ["q_proj"] if self.q_proj is not None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
+        )
+        for name in names:
+            mod = getattr(self, name)
+            if isinstance(mod, RMSNorm):
+                from moeserve.layers.linear import copy_into
+
+                specs[f"{prefix}.{name}.weight"] = WeightSpec(
+                    tuple(mod.weight.shape), copy_into(mod.weight)
+                )
+            else:
+                specs.update(mod.weight_specs(f"{prefix}.{name}"))
+        return specs
+
+    def forward(
+        self, positions_T: torch.Tensor, x_TD: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        T = x_TD.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(x_TD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        q_THK = q.view(T, self.H, self.N + self.R)
+        q_nope_THN, q_pe_THR = q_THK.split([self.N, self.R], dim=-1)
+        q_pe_THR = self.rotary(positions_T, q_pe_THR)
+        kv_a = self.kv_a_proj_with_mqa(x_TD)
+        c_kv_TC = self.kv_a_layernorm(kv_a[:, : self.C])
+        k_pe_TR = self.rotary(positions_T, kv_a[:, self.C :])
+        latent_T = torch.cat((c_kv_TC, k_pe_TR), dim=-1)
+        if self.kv_cache is not None:
+            self.kv_cache.index_copy_(0, meta.slot_mapping_T, latent_T)
+
+        out_THV = x_TD.new_empty(T, self.H, self.V)
+        nd = meta.num_decodes
+        if nd:
+            out_THV[:nd] = self.forward_absorbed(q_nope_THN[:nd], q_pe_THR[:nd], meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            if chunk.slots_L is None:
+                ctx_LK = latent_T[rows]
+            else:
+                ctx_LK = self.kv_cache.index_select(0, chunk.slots_L)
+            out_THV[rows] = self.forward_naive(q_nope_THN[rows], q_pe_THR[rows], ctx_LK)
+        return self.o_proj(out_THV.view(T, self.H * self.V))
+
+    def forward_naive(
+        self, q_nope_THN: torch.Tensor, q_pe_THR: torch.Tensor, ctx_LK: torch.Tensor
+    ) -> torch.Tensor:
+        """One sequence's chunk: queries are the last T of its L context positions."""
+        T, L = q_nope_THN.shape[0], ctx_LK.shape[0]
+        c_kv_LC, k_pe_LR = ctx_LK.split([self.C, self.R], dim=-1)
+        kv_LHK = self.kv_b_proj(c_kv_LC).view(L, self.H, self.N + self.V)
+        k_nope_LHN, v_LHV = kv_LHK.split([self.N, self.V], dim=-1)
+        k_HLK = torch.cat((k_nope_LHN, k_pe_LR[:, None, :].expand(L, self.H, self.R)), dim=-1)
+        k_HLK = k_HLK.transpose(0, 1)
+        q_HTK = torch.cat((q_nope_THN, q_pe_THR), dim=-1).transpose(0, 1)
+        mask = causal_bias(T, L, q_HTK.dtype)
+        out_HTV = F.scaled_dot_product_attention(
+            q_HTK, k_HLK, v_LHV.transpose(0, 1), attn_mask=mask, scale=self.scale
+        )
+        return out_HTV.transpose(0, 1)
+
+    def forward_absorbed(
+        self, q_nope_BHN: torch.Tensor, q_pe_BHR: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Decodes (one query each) against their latent context, weights absorbed."""
+        ctx_BLK = self.kv_cache[meta.decode_slots_BL]  # [B, L, C + R]
+        # q_lat[b, h] = q_nope[b, h] @ W_UK[h]  -> [B, H, C]
+        q_lat_BHC = torch.bmm(q_nope_BHN.transpose(0, 1), self.w_uk_HNC).transpose(0, 1)
+        q_BHK = torch.cat((q_lat_BHC, q_pe_BHR), dim=-1)
+        scores_BHL = torch.bmm(q_BHK, ctx_BLK.transpose(1, 2)).mul_(self.scale)
+        scores_BHL.add_(meta.decode_bias_B1L.to(scores_BHL.dtype))
+        probs_BHL = torch.softmax(scores_BHL, dim=-1, dtype=torch.float32).to(q_BHK.dtype)
+        o_lat_BHC = torch.bmm(probs_BHL, ctx_BLK[:, :, : self.C])
+        # out[b, h] = o_lat[b, h] @ W_UV[h]  -> [B, H, V]
+        return torch.bmm(o_lat_BHC.transpose(0, 1), self.w_uv_HCV).transpose(0, 1)

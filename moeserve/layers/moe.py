@@ -1,0 +1,236 @@
+"""Routed-expert MoE: the router (gate) and the grouped expert computation.
+
+Shape legend: T tokens, D model dim, F expert FFN dim, E experts (local), K top-k.
+
+The fast path sorts the T*K (token, expert) pairs by expert and runs one pair of GEMMs per
+expert that received tokens; :func:`moe_reference` is the per-token loop used as the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.models.hf_config import ModelConfig
+from moeserve.models.weights import WeightSpec
+
+
+def route_grouped_sigmoid(
+    logits_TE: torch.Tensor,
+    bias_E: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (noaux_tc): sigmoid scores, group-limited top-k on score + bias.
+
+    Groups are ranked by the sum of their two best biased scores; only the ``topk_group`` best
+    groups may be chosen. Weights come from the unbiased scores. Returns (topk_w_TK fp32,
+    topk_ids_TK).
+    """
+    scores_TE = logits_TE.sigmoid()
+    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
+    T, E = choice_TE.shape
+    if n_group > 1 and topk_group < n_group:
+        group_TG = choice_TE.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        keep_ids = group_TG.topk(topk_group, dim=-1, sorted=False)[1]
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, keep_ids, True)
+        keep_TE = keep_TG.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+        choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
+    topk_ids_TK = choice_TE.topk(top_k, dim=-1, sorted=False)[1]
+    topk_w_TK = scores_TE.gather(1, topk_ids_TK)
+    if norm_topk_prob:
+        topk_w_TK = topk_w_TK / (topk_w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_w_TK * scaling, topk_ids_TK
+
+
+def route_softmax(
+    logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-MoE routing: softmax over all experts, top-k, optional renormalisation."""
+    probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    topk_w_TK, topk_ids_TK = probs_TE.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        topk_w_TK = topk_w_TK / topk_w_TK.sum(dim=-1, keepdim=True)
+    return topk_w_TK, topk_ids_TK
+
+
+class Router(nn.Module):
+    """The gate: ``[E, D]`` logits in fp32 plus the model's routing rule."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        E, D = config.num_experts, config.hidden_size
+        self.weight = nn.Parameter(torch.empty(E, D, dtype=torch.float32), requires_grad=False)
+        self.sigmoid = config.scoring_func == "sigmoid"
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+            if self.sigmoid
+            else None
+        )
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        if self.sigmoid:
+            logits_TE = F.linear(x_TD.float(), self.weight)
+            return route_grouped_sigmoid(
+                logits_TE,
+                self.e_score_correction_bias,
+                c.num_experts_per_tok,
+                c.n_group,
+                c.topk_group,
+                c.norm_topk_prob,
+                c.routed_scaling_factor,
+            )
+        # Qwen computes its router logits in the model dtype
+        logits_TE = F.linear(x_TD, self.weight.to(x_TD.dtype))
+        return route_softmax(logits_TE, c.num_experts_per_tok, c.norm_topk_prob)
+
+    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
+        from moeserve.layers.linear import copy_into
+
+        specs = {f"{prefix}.weight": WeightSpec(tuple(self.weight.shape), copy_into(self.weight))}
+        if self.e_score_correction_bias is not None:
+            b = self.e_score_correction_bias
+            specs[f"{prefix}.e_score_correction_bias"] = WeightSpec(tuple(b.shape), copy_into(b))
+        return specs
+
+
+def moe_reference(
+    x_TD: torch.Tensor,
+    w13_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    topk_w_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+) -> torch.Tensor:
+    """Per-token, per-choice loop: the readable oracle for :func:`moe_grouped`."""
+    F_ = w2_EDF.shape[2]
+    y_TD = torch.zeros_like(x_TD)
+    for t in range(x_TD.shape[0]):
+        for k in range(topk_ids_TK.shape[1]):
+            e = int(topk_ids_TK[t, k])
+            gate, up = (w13_EFD[e] @ x_TD[t]).split(F_)
+            y_TD[t] += topk_w_TK[t, k].to(x_TD.dtype) * (w2_EDF[e] @ (F.silu(gate) * up))
+    return y_TD
+
+
+def moe_grouped(
+    x_TD: torch.Tensor,
+    w13_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    topk_w_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+) -> torch.Tensor:
+    """Sort (token, expert) pairs by expert, one GEMM pair per active expert, weighted scatter.
+
+    ``w13_EFD`` holds gate rows then up rows (``[E, 2F, D]``), ``w2_EDF`` is ``[E, D, F]``.
+    Expert ids must lie in ``[0, E)``.
+    """
+    T, K = topk_ids_TK.shape
+    E, F2, _ = w13_EFD.shape
+    ids_R = topk_ids_TK.reshape(-1)
+    if T == 1:
+        # decode at batch 1: K experts, one row each; no sorting needed
+        order_R = torch.arange(K)
+        counts = [1] * K
+        experts = ids_R.tolist()
+    else:
+        order_R = ids_R.argsort(stable=True)
+        counts_E = torch.bincount(ids_R, minlength=E).tolist()
+        experts = [e for e in range(E) if counts_E[e]]
+        counts = [counts_E[e] for e in experts]
+    token_R = order_R // K
+    x_RD = x_TD.index_select(0, token_R)
+    y_RD = torch.empty_like(x_RD)
+    start = 0
+    for e, n in zip(experts, counts):
+        end = start + n
+        gate_up = F.linear(x_RD[start:end], w13_EFD[e])
+        gate, up = gate_up.split(F2 // 2, dim=-1)
+        torch.matmul(F.silu(gate) * up, w2_EDF[e].t(), out=y_RD[start:end])
+        start = end
+    y_RD.mul_(topk_w_TK.reshape(-1)[order_R].unsqueeze(1).to(y_RD.dtype))
+    if T == 1:
+        return y_RD.sum(dim=0, keepdim=True)
+    return torch.zeros_like(x_TD).index_add_(0, token_R, y_RD)
+
+
+class FusedExperts(nn.Module):
+    """The routed experts of one layer, stacked: ``w13_EFD [E, 2F, D]``, ``w2_EDF [E, D, F]``."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, dtype=torch.float32) -> None:
+        super().__init__()
+        self.num_experts, self.ffn = num_experts, ffn
+        self.w13_EFD = nn.Parameter(
+            torch.empty(num_experts, 2 * ffn, hidden, dtype=dtype), requires_grad=False
+        )
+        self.w2_EDF = nn.Parameter(
+            torch.empty(num_experts, hidden, ffn, dtype=dtype), requires_grad=False
+        )
+
+    def forward(
+        self, x_TD: torch.Tensor, topk_w_TK: torch.Tensor, topk_ids_TK: torch.Tensor
+    ) -> torch.Tensor:
+        return moe_grouped(x_TD, self.w13_EFD, self.w2_EDF, topk_w_TK, topk_ids_TK)
+
+    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
+        from moeserve.layers.linear import copy_into
+
+        f, d = self.ffn, self.w13_EFD.shape[2]
+        specs: dict[str, WeightSpec] = {}
+        for e in range(self.num_experts):
+            p = f"{prefix}.{e}"
+            specs[f"{p}.gate_proj.weight"] = WeightSpec((f, d), copy_into(self.w13_EFD[e, :f]))
+            specs[f"{p}.up_proj.weight"] = WeightSpec((f, d), copy_into(self.w13_EFD[e, f:]))
+            specs[f"{p}.down_proj.weight"] = WeightSpec((d, f), copy_into(self.w2_EDF[e]))
+        return specs
+
+
+class MoEBlock(nn.Module):
+    """Router + routed experts + optional shared expert (DeepSeek) / gated shared expert (Qwen2).
+
+    The shared expert runs on the same tokens and is added to the routed output.
+    """
+
+    def __init__(self, config: ModelConfig, dtype=torch.float32) -> None:
+        super().__init__()
+        from moeserve.layers.linear import GatedMLP, Linear
+
+        self.gate = Router(config)
+        self.experts = FusedExperts(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size, dtype
+        )
+        self.shared = (
+            GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, dtype)
+            if config.shared_expert_intermediate_size
+            else None
+        )
+        self.shared_gate = (
+            Linear(config.hidden_size, 1, dtype=dtype)
+            if (self.shared is not None and config.shared_expert_gate)
+            else None
+        )
+        self.shared_name = "shared_expert" if config.shared_expert_gate else "shared_experts"
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        topk_w_TK, topk_ids_TK = self.gate(x_TD)
+        y_TD = self.experts(x_TD, topk_w_TK, topk_ids_TK)
+        if self.shared is not None:
+            s_TD = self.shared(x_TD)
+            if self.shared_gate is not None:
+                s_TD = torch.sigmoid(self.shared_gate(x_TD)) * s_TD
+            y_TD = y_TD + s_TD
+        return y_TD
+
+    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
+        specs = {**self.gate.weight_specs(f"{prefix}.gate")}
+        specs.update(self.experts.weight_specs(f"{prefix}.experts"))
+        if self.shared is not None:
+            specs.update(self.shared.weight_specs(f"{prefix}.{self.shared_name}"))
+        if self.shared_gate is not None:
+            specs.update(self.shared_gate.weight_specs(f"{prefix}.shared_expert_gate"))
+        return specs

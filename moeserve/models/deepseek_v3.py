@@ -1,0 +1,103 @@
+"""DeepSeek-V3: MLA attention, dense first layers, group-limited sigmoid-routed MoE, MTP layers.
+
+MTP layers (``model.layers.{N..N+k-1}`` with ``N = num_hidden_layers``) are loaded into
+``mtp_layers`` for speculative decoding; ``load_mtp=False`` skips them to save memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.layers.attention_meta import AttentionMetadata
+from moeserve.layers.linear import Linear, copy_into
+from moeserve.layers.mla import MLAttention
+from moeserve.layers.norm import RMSNorm
+from moeserve.models.base import DecoderLayer, KVCacheSpec, MoECausalLM
+from moeserve.models.hf_config import ModelConfig
+from moeserve.models.weights import WeightSpec
+
+
+class MTPLayer(nn.Module):
+    """One next-token-prediction module: combines the main model's hidden state at position i
+    with the embedding of token i+1 and runs one more decoder layer to predict token i+2."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int, dtype) -> None:
+        super().__init__()
+        D, V = config.hidden_size, config.vocab_size
+        self.embed_tokens = nn.Parameter(torch.empty(V, D, dtype=dtype), requires_grad=False)
+        self.enorm = RMSNorm(D, config.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(D, config.rms_norm_eps, dtype)
+        self.eh_proj = Linear(2 * D, D, dtype=dtype)
+        self.block = DecoderLayer(
+            config, layer_idx, MLAttention(config, max_positions, dtype), dtype
+        )
+        self.head_norm = RMSNorm(D, config.rms_norm_eps, dtype)
+        self.head = Linear(D, V, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        h_prev_TD: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        e_TD = self.enorm(self.embed_tokens[input_ids_T])
+        h_TD = self.eh_proj(torch.cat((e_TD, self.hnorm(h_prev_TD)), dim=-1))
+        return self.head_norm(self.block(positions_T, h_TD, meta))
+
+    def compute_logits(self, h_ND: torch.Tensor) -> torch.Tensor:
+        return self.head(h_ND).float()
+
+    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
+        specs = self.block.weight_specs(prefix)
+        for name, p in (
+            ("embed_tokens.weight", self.embed_tokens),
+            ("enorm.weight", self.enorm.weight),
+            ("hnorm.weight", self.hnorm.weight),
+            ("shared_head.norm.weight", self.head_norm.weight),
+        ):
+            specs[f"{prefix}.{name}"] = WeightSpec(tuple(p.shape), copy_into(p))
+        specs.update(self.eh_proj.weight_specs(f"{prefix}.eh_proj"))
+        specs.update(self.head.weight_specs(f"{prefix}.shared_head.head"))
+        return specs
+
+
+class DeepseekV3ForCausalLM(MoECausalLM):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        max_positions: int | None = None,
+        load_mtp: bool = True,
+    ) -> None:
+        max_positions = max_positions or config.max_position_embeddings
+        super().__init__(config, dtype, max_positions)
+        n_mtp = config.num_nextn_predict_layers if load_mtp else 0
+        self.mtp_layers = nn.ModuleList(
+            MTPLayer(config, config.num_hidden_layers + i, max_positions, dtype)
+            for i in range(n_mtp)
+        )
+
+    def make_attention(self, max_positions: int) -> nn.Module:
+        return MLAttention(self.config, max_positions, self.dtype)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(c.num_hidden_layers, (c.kv_lora_rank + c.qk_rope_head_dim,), self.dtype)
+
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        specs = super().weight_specs()
+        for i, mtp in enumerate(self.mtp_layers):
+            specs.update(mtp.weight_specs(f"model.layers.{self.config.num_hidden_layers + i}"))
+        return specs
+
+    def ignored_checkpoint_tensor(self, name: str) -> bool:
+        if super().ignored_checkpoint_tensor(name):
+            return True
+        # MTP tensors of a checkpoint whose MTP layers we chose not to load
+        c = self.config
+        if not name.startswith("model.layers."):
+            return False
+        idx = int(name.split(".")[2])
+        return idx >= c.num_hidden_layers + len(self.mtp_layers)
