@@ -85,7 +85,7 @@ def time_moeserve_decode(llm: LLM, batch: int, new_tokens: int, vocab: int) -> f
 def time_moeserve_prefill(llm: LLM, n: int, vocab: int, repeats: int = 3) -> float:
     g = torch.Generator().manual_seed(7)
     best = float("inf")
-    for r in range(repeats):
+    for _ in range(repeats):
         ids = torch.randint(2, vocab, (n,), generator=g).tolist()  # fresh: no prefix hits
         t0 = time.perf_counter()
         llm.generate(ids, SamplingParams(max_tokens=1, temperature=0))

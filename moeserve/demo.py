@@ -21,15 +21,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 DATA_DIR = Path(__file__).parent / "data"
 CORPUS_PATH = DATA_DIR / "demo_corpus.txt"
 TOKENIZER_PATH = DATA_DIR / "demo_tokenizer.json"
-DEMO_NAME = "demo-model-v1"  # bump when the written bytes change, so caches are rebuilt
+DEMO_NAME = "demo-model-v2"  # bump when the written bytes change, so caches are rebuilt
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -157,93 +153,6 @@ def train_demo_tokenizer(corpus_path: Path = CORPUS_PATH) -> str:
     return tok.to_str(pretty=True) + "\n"
 
 
-def _weight_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, init) for every tensor, in a fixed order; init is normal|head|ones|bias."""
-    d, v = cfg["hidden_size"], cfg["vocab_size"]
-    h, nope, rope, vd = (
-        cfg["num_attention_heads"],
-        cfg["qk_nope_head_dim"],
-        cfg["qk_rope_head_dim"],
-        cfg["v_head_dim"],
-    )
-    ql, kvl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-    dense_f, f, n_exp = (
-        cfg["intermediate_size"],
-        cfg["moe_intermediate_size"],
-        cfg["n_routed_experts"],
-    )
-    shared_f = f * cfg["n_shared_experts"]
-
-    def mlp(prefix: str, ffn: int) -> list[tuple[str, tuple[int, ...], str]]:
-        return [
-            (f"{prefix}.gate_proj.weight", (ffn, d), "normal"),
-            (f"{prefix}.up_proj.weight", (ffn, d), "normal"),
-            (f"{prefix}.down_proj.weight", (d, ffn), "normal"),
-        ]
-
-    def layer(i: int) -> list[tuple[str, tuple[int, ...], str]]:
-        p = f"model.layers.{i}"
-        specs = [
-            (f"{p}.input_layernorm.weight", (d,), "ones"),
-            (f"{p}.post_attention_layernorm.weight", (d,), "ones"),
-            (f"{p}.self_attn.q_a_proj.weight", (ql, d), "normal"),
-            (f"{p}.self_attn.q_a_layernorm.weight", (ql,), "ones"),
-            (f"{p}.self_attn.q_b_proj.weight", (h * (nope + rope), ql), "normal"),
-            (f"{p}.self_attn.kv_a_proj_with_mqa.weight", (kvl + rope, d), "normal"),
-            (f"{p}.self_attn.kv_a_layernorm.weight", (kvl,), "ones"),
-            (f"{p}.self_attn.kv_b_proj.weight", (h * (nope + vd), kvl), "normal"),
-            (f"{p}.self_attn.o_proj.weight", (d, h * vd), "normal"),
-        ]
-        if i < cfg["first_k_dense_replace"]:
-            return specs + mlp(f"{p}.mlp", dense_f)
-        specs += [
-            (f"{p}.mlp.gate.weight", (n_exp, d), "normal"),
-            (f"{p}.mlp.gate.e_score_correction_bias", (n_exp,), "bias"),
-        ]
-        for e in range(n_exp):
-            specs += mlp(f"{p}.mlp.experts.{e}", f)
-        return specs + mlp(f"{p}.mlp.shared_experts", shared_f)
-
-    n = cfg["num_hidden_layers"]
-    specs = [("model.embed_tokens.weight", (v, d), "normal")]
-    for i in range(n + cfg["num_nextn_predict_layers"]):
-        specs += layer(i)
-        if i >= n:  # MTP layer: a full MoE decoder layer plus its own projections and head
-            p = f"model.layers.{i}"
-            specs += [
-                (f"{p}.enorm.weight", (d,), "ones"),
-                (f"{p}.hnorm.weight", (d,), "ones"),
-                (f"{p}.eh_proj.weight", (d, 2 * d), "normal"),
-                (f"{p}.embed_tokens.weight", (v, d), "normal"),
-                (f"{p}.shared_head.norm.weight", (d,), "ones"),
-                (f"{p}.shared_head.head.weight", (v, d), "head"),
-            ]
-    specs += [("model.norm.weight", (d,), "ones"), ("lm_head.weight", (v, d), "head")]
-    return specs
-
-
-def demo_weights() -> dict[str, torch.Tensor]:
-    """All demo tensors (fp32, contiguous), drawn from one seeded generator in spec order."""
-    import torch
-
-    g = torch.Generator().manual_seed(SEED)
-    std = {"normal": INIT_STD, "head": HEAD_STD, "bias": BIAS_STD}
-    out = {}
-    for name, shape, init in _weight_specs(DEMO_CONFIG):
-        if init == "ones":
-            out[name] = torch.ones(shape, dtype=torch.float32)
-        else:
-            out[name] = torch.randn(shape, generator=g, dtype=torch.float32) * std[init]
-    return out
-
-
-def _shard_of(name: str) -> int:
-    """Shard 1 holds the embeddings and the first two layers; shard 2 holds the rest."""
-    if name.startswith("model.layers."):
-        return 1 if int(name.split(".")[2]) < 2 else 2
-    return 1 if name.startswith("model.embed_tokens.") else 2
-
-
 def _dump_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -264,23 +173,14 @@ def write_demo_model(path: str | os.PathLike) -> Path:
     Creates ``path`` if needed and overwrites the demo's files in it; leaves other files alone.
     The output is byte-identical on every call (same torch version).
     """
-    from safetensors.torch import save_file
+    from moeserve.models.synthetic import InitScales, write_random_deepseek
 
     out = write_demo_tokenizer(path)
-    shards: dict[int, dict] = {1: {}, 2: {}}
-    for name, t in demo_weights().items():
-        shards[_shard_of(name)][name] = t
-    weight_map, total = {}, 0
-    for k, tensors in shards.items():
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        (out / fname).chmod(0o644)  # safetensors writes 0600; the demo is no secret
-        for name, t in tensors.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _dump_json(out / "model.safetensors.index.json", index)
-    _dump_json(out / "config.json", DEMO_CONFIG)
+    scales = InitScales(matrix=INIT_STD, head=HEAD_STD, bias=BIAS_STD)
+    # 2.2 MB of fp32 weights in two shards: the sharded (index) path is exercised
+    write_random_deepseek(
+        out, DEMO_CONFIG, seed=SEED, dtype="float32", max_shard_bytes=1_200_000, scales=scales
+    )
     return out
 
 

@@ -90,7 +90,7 @@ class GQAttention(nn.Module):
         rep = self.H // self.G
         k_HLD = ctx_L2GD[:, 0].repeat_interleave(rep, dim=1).transpose(0, 1)
         v_HLD = ctx_L2GD[:, 1].repeat_interleave(rep, dim=1).transpose(0, 1)
-        mask = causal_bias(T, L, q_THD.dtype)
+        mask = causal_bias(T, L, q_THD.dtype, q_THD.device)
         out_HTD = F.scaled_dot_product_attention(
             q_THD.transpose(0, 1), k_HLD, v_HLD, attn_mask=mask, scale=self.scale
         )

@@ -117,7 +117,7 @@ class MLAttention(nn.Module):
         k_HLK = torch.cat((k_nope_LHN, k_pe_LR[:, None, :].expand(L, self.H, self.R)), dim=-1)
         k_HLK = k_HLK.transpose(0, 1)
         q_HTK = torch.cat((q_nope_THN, q_pe_THR), dim=-1).transpose(0, 1)
-        mask = causal_bias(T, L, q_HTK.dtype)
+        mask = causal_bias(T, L, q_HTK.dtype, q_HTK.device)
         out_HTV = F.scaled_dot_product_attention(
             q_HTK, k_HLK, v_LHV.transpose(0, 1), attn_mask=mask, scale=self.scale
         )

@@ -135,7 +135,7 @@ def moe_grouped(
     ids_R = topk_ids_TK.reshape(-1)
     if T == 1:
         # decode at batch 1: K experts, one row each; no sorting needed
-        order_R = torch.arange(K)
+        order_R = torch.arange(K, device=ids_R.device)
         counts = [1] * K
         experts = ids_R.tolist()
     else:

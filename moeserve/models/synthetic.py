@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -70,16 +71,26 @@ def deepseek_tensor_shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "lm_head.weight", (V, D)
 
 
+@dataclass(frozen=True)
+class InitScales:
+    """Standard deviations of the random weights; norms are ones."""
+
+    matrix: float = 0.0  # 0 scales each matrix by fan_in ** -0.5 (activations keep their size)
+    head: float | None = None  # lm_head and MTP heads; None: like any matrix
+    bias: float = 0.01  # e_score_correction_bias
+
+
 def random_tensor(
-    name: str, shape: tuple[int, ...], g: torch.Generator, std: float
+    name: str, shape: tuple[int, ...], g: torch.Generator, scales: InitScales
 ) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith("e_score_correction_bias"):
-        return torch.randn(shape, generator=g) * 0.01
-    fan_in = shape[-1] if len(shape) > 1 else 1
-    scale = std if std > 0 else fan_in**-0.5
-    return torch.randn(shape, generator=g) * scale
+        return torch.randn(shape, generator=g) * scales.bias
+    std = scales.matrix if scales.matrix > 0 else (shape[-1] if len(shape) > 1 else 1) ** -0.5
+    if scales.head is not None and name.endswith(("lm_head.weight", "shared_head.head.weight")):
+        std = scales.head
+    return torch.randn(shape, generator=g) * std
 
 
 def write_random_deepseek(
@@ -88,12 +99,12 @@ def write_random_deepseek(
     seed: int = 0,
     dtype: str = "bfloat16",
     max_shard_bytes: int = 2 << 30,
-    std: float = 0.0,
+    scales: InitScales = InitScales(),
 ) -> Path:
     """Write ``config.json`` and sharded safetensors with random weights into ``path``.
 
-    ``std=0`` scales each matrix by ``fan_in ** -0.5`` so activations keep their size through
-    the layers. Tokenizer files are the caller's business.
+    Tensors are drawn in checkpoint order from one generator seeded with ``seed``: the same
+    arguments give the same bytes. Tokenizer files are the caller's business.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -115,14 +126,15 @@ def write_random_deepseek(
         fname = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
         shard = {}
         for name, shape in names:
-            t = random_tensor(name, shape, g, std)
+            t = random_tensor(name, shape, g, scales)
             keep_fp32 = name.endswith("e_score_correction_bias")
             shard[name] = t.to(torch.float32 if keep_fp32 else torch_dtype)
             weight_map[name] = fname
             total += shard[name].numel() * shard[name].element_size()
         save_file(shard, str(out / fname), metadata={"format": "pt"})
+        (out / fname).chmod(0o644)  # safetensors writes 0600; weights are no secret
         del shard
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     full = {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -130,5 +142,5 @@ def write_random_deepseek(
         "torch_dtype": dtype,
         **config,
     }
-    (out / "config.json").write_text(json.dumps(full, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(full, indent=2, ensure_ascii=False) + "\n")
     return out

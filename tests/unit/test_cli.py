@@ -1,0 +1,66 @@
+"""The ``moeserve`` command line, run as a user would (a subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from moeserve import LLM, SamplingParams
+
+
+def _run(*args: str, cache) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MOESERVE_CACHE": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-m", "moeserve.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_generate_streams_with_the_demo_model(tmp_path):
+    r = _run(
+        "generate", "--prompt", "Hello there", "--max-tokens", "12", "--ignore-eos", cache=tmp_path
+    )
+    assert r.returncode == 0, r.stderr
+    assert "[12 tokens, finish_reason=length]" in r.stderr
+    assert (tmp_path / "demo-model-v2" / "config.json").is_file()  # created once, cached
+    # greedy CLI output equals the offline API's text for the same prompt
+    llm = LLM(model=str(tmp_path / "demo-model-v2"), progress=False)
+    text = (
+        llm.generate("Hello there", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
+            0
+        ]
+        .outputs[0]
+        .text
+    )
+    assert r.stdout == text + "\n"
+
+
+def test_generate_chat_and_demo_model_command(tmp_path):
+    out = tmp_path / "exported"
+    r = _run("demo-model", str(out), cache=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (out / "tokenizer.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    r = _run(
+        "generate",
+        "--model",
+        str(out),
+        "--prompt",
+        "Hi",
+        "--chat",
+        "--max-tokens",
+        "5",
+        "-q",
+        cache=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_bad_model_dir_is_a_one_line_error(tmp_path):
+    r = _run("generate", "--model", str(tmp_path / "missing"), "--prompt", "x", cache=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error:") and "does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
