@@ -27,13 +27,13 @@ from moeserve import LLM, SamplingParams  # noqa: E402
 PROMPT_LEN = 32
 
 
-def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+def measure_read_bandwidth(device: str = "cpu", gib: float = 1.0, repeats: int = 5) -> float:
     """Best-of-N bytes/s for summing a large fp32 tensor (a streaming read)."""
-    t = torch.ones(int(gib * (1 << 30)) // 4)
+    t = torch.ones(int(gib * (1 << 30)) // 4, device=device)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        t.sum()
+        t.sum().item()
         best = min(best, time.perf_counter() - t0)
     return t.numel() * 4 / best
 
@@ -95,7 +95,7 @@ def time_moeserve_prefill(llm: LLM, n: int, vocab: int, repeats: int = 3) -> flo
 
 def time_hf_decode(model, batch: int, new_tokens: int, vocab: int) -> float:
     g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(2, vocab, (batch, PROMPT_LEN), generator=g)
+    ids = torch.randint(2, vocab, (batch, PROMPT_LEN), generator=g).to(model.device)
     kw = dict(do_sample=False, pad_token_id=0)
 
     def gen(n: int) -> float:
@@ -112,7 +112,7 @@ def time_hf_prefill(model, n: int, vocab: int, repeats: int = 3) -> float:
     g = torch.Generator().manual_seed(7)
     best = float("inf")
     for _ in range(repeats):
-        ids = torch.randint(2, vocab, (1, n), generator=g)
+        ids = torch.randint(2, vocab, (1, n), generator=g).to(model.device)
         t0 = time.perf_counter()
         model(ids, use_cache=True, logits_to_keep=1)
         best = min(best, time.perf_counter() - t0)
@@ -123,6 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (transformers runs there too)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=512)
@@ -136,12 +137,13 @@ def main() -> None:
     model_dir = args.model or str(bench_model_path())
     vocab = BENCH_CONFIG["vocab_size"]
 
-    bandwidth = measure_read_bandwidth()
+    bandwidth = measure_read_bandwidth(args.device)
     rows: dict[str, dict[str, float]] = {}
 
     llm = LLM(
         model=model_dir,
         dtype=args.dtype,
+        device=args.device,
         max_num_seqs=max(batches),
         max_model_len=1024,
         num_threads=args.threads,
@@ -158,7 +160,7 @@ def main() -> None:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
         with torch.inference_mode():
             for b in batches:
                 rows[f"decode_b{b}"]["transformers"] = time_hf_decode(hf, b, args.new_tokens, vocab)

@@ -1,4 +1,4 @@
-"""Tokenizer, chat templates and streaming detokenization, without transformers at run time.
+"""Tokenizer and chat templates from a model directory, without transformers at run time.
 
 ``Tokenizer.from_dir`` reads a Hugging Face model directory the way transformers'
 ``AutoTokenizer`` (the ``tokenizers`` backend) does, and only its data files:
@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _Backend
+
+from moeserve.chat_template import ChatTemplateError, render_chat_template
 
 _SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -36,7 +33,6 @@ _SPECIAL_TOKEN_KEYS = (
     "cls_token",
     "mask_token",
 )
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class TokenizerError(ValueError):
@@ -227,18 +223,11 @@ class Tokenizer:
             raise TokenizerError("cannot apply a chat template to an empty conversation")
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise TokenizerError("tools must be JSON-schema dicts")
-        chat = [_drop_none(m) for m in messages]
         variables = {**self._special_tokens, **kwargs}
         try:
-            return _compile(template).render(
-                messages=_plain(_alias_reasoning(chat)),
-                tools=_plain(tools),
-                documents=_plain(variables.pop("documents", None)),
-                add_generation_prompt=add_generation_prompt,
-                **_plain(variables),
-            )
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"chat template failed: {e}") from None
+            return render_chat_template(template, messages, add_generation_prompt, tools, variables)
+        except ChatTemplateError as e:
+            raise TokenizerError(str(e)) from None
 
     def _pick_template(self, chat_template: str | None, tools: list[dict] | None) -> str:
         if chat_template is not None:
@@ -311,198 +300,3 @@ def _clean_up_tokenization(text: str) -> str:
     for suffix in ("n't", "'m", "'s", "'ve", "'re"):
         text = text.replace(" " + suffix, suffix)
     return text
-
-
-# --- chat template rendering ------------------------------------------------------------------
-
-
-def _drop_none(message: dict) -> dict:
-    if not isinstance(message, dict):
-        raise TokenizerError(f"chat messages must be dicts, got {type(message).__name__}")
-    return {k: v for k, v in message.items() if v is not None}
-
-
-def _alias_reasoning(chat: list[dict]) -> list[dict]:
-    """Fill ``reasoning_content`` (and ``thinking``) from any of the names reasoning goes by."""
-    out = []
-    for m in chat:
-        r = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
-        out.append(m if r is None else {"thinking": r, **m, "reasoning_content": r})
-    return out
-
-
-def _plain(value: Any) -> Any:
-    """Rebuild template inputs from plain JSON types, so the sandbox sees no foreign methods."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):  # subclasses (enums, ...) lose their extra methods
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return f"<{type(value).__name__}>"
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): renders the body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-class _TemplateDict:
-    """``dict(...)`` in templates, without attribute access to the real type."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """``namespace(...)`` that refuses underscore names (no path to CPython internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # Namespace's signature trick
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: Any = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja's own tojson escapes HTML characters; transformers' (and ours) does not
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise TokenizerError(f"chat template does not parse: {e} (line {e.lineno})") from None
-
-
-# --- streaming detokenization -----------------------------------------------------------------
-
-_PROMPT_CONTEXT = 5  # prompt tokens decoded with the first outputs (vLLM uses 5 too)
-
-
-class IncrementalDetokenizer:
-    """Turns one sequence's output tokens into text deltas as they arrive.
-
-    Each ``step`` decodes a small window ``ids[prefix:]`` and compares it with the text of
-    ``ids[prefix:read]`` (vLLM's prefix/read offsets), so byte-level merges and spaces come
-    out as a full decode would give them:
-
-        ids:  ... p p p | o o o o | n n
-                  ^prefix ^read     new tokens appended at the end
-
-    A delta is emitted only when the window's text does not end in U+FFFD, so a multi-byte
-    character split across tokens is never cut. The concatenation of every ``step`` and a
-    final ``flush`` equals ``tokenizer.decode(output_ids)`` for byte-level BPE tokenizers;
-    a few prompt tokens give the first output its context (a SentencePiece tokenizer then
-    keeps the first token's leading space, as vLLM does).
-    """
-
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_ids[-_PROMPT_CONTEXT:])
-        # a context that ends inside a character would merge with the output's bytes
-        if self._decode(context).endswith("\ufffd"):
-            context = []
-        self._ids = context
-        self._prefix = 0
-        self._read = len(context)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, self.skip_special_tokens)
-
-    def step(self, new_token_ids: Sequence[int]) -> str:
-        """Append tokens; return the text that became final (possibly empty)."""
-        self._ids.extend(new_token_ids)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
-            return ""
-        return self._advance(text, prefix_text)
-
-    def flush(self) -> str:
-        """Return any held-back text (e.g. a trailing incomplete character as U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        if len(text) <= len(prefix_text):
-            return ""
-        return self._advance(text, prefix_text)
-
-    def _advance(self, text: str, prefix_text: str) -> str:
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(prefix_text) :]
-
-
-def find_stop(text: str, start: int, stops: Iterable[str]) -> tuple[int, str] | None:
-    """Earliest stop string in ``text`` that ends after ``start`` (the old text length).
-
-    Returns ``(index, stop)``; the caller cuts ``text[:index]`` (stop excluded). Only the
-    tail where a new match can lie is searched: for a stop of length L, ``text[start-L+1:]``.
-    Ties go to the stop listed first. Empty stop strings are ignored.
-    """
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        if not stop:
-            continue
-        i = text.find(stop, max(0, start - len(stop) + 1))
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best

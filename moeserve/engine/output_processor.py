@@ -16,8 +16,9 @@ from moeserve.core import (
     SamplingParams,
     Sequence,
 )
+from moeserve.detokenizer import IncrementalDetokenizer, find_stop
 from moeserve.engine.model_runner import SeqStepOutput
-from moeserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from moeserve.tokenizer import Tokenizer
 
 
 @dataclass

@@ -3,6 +3,8 @@ prompt log-probabilities within 1e-4 at every position and 32 identical greedy t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,7 +18,9 @@ KINDS = ["deepseek_v3", "qwen3_moe", "qwen2_moe"]
 def pair(request, tmp_path_factory):
     hf = build_hf_model(request.param)
     path = save_hf_checkpoint(hf, tmp_path_factory.mktemp(request.param))
-    llm = LLM(model=str(path), dtype="float32", max_model_len=512, progress=False)
+    # MOESERVE_TEST_DEVICE=cuda runs moeserve on a GPU against the CPU oracle (scripts/)
+    device = os.environ.get("MOESERVE_TEST_DEVICE", "cpu")
+    llm = LLM(model=str(path), dtype="float32", device=device, max_model_len=512, progress=False)
     yield request.param, hf, llm
     llm.engine.scheduler.check_integrity()
 

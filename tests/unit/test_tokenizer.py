@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, find_stop
+from moeserve.detokenizer import IncrementalDetokenizer, find_stop
+from moeserve.tokenizer import Tokenizer, TokenizerError
 from tests.helpers import copy_demo_tokenizer
 
 transformers = pytest.importorskip("transformers")

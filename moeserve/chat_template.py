@@ -1,0 +1,169 @@
+"""Chat-template rendering the way transformers renders it (``tokenize=False``).
+
+The template runs in jinja2's immutable sandbox with transformers' globals (``raise_exception``,
+``strftime_now``), its ``tojson`` filter, ``loopcontrols`` and the ``{% generation %}`` tag;
+inputs are rebuilt from plain JSON types so the sandbox sees no foreign methods.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class ChatTemplateError(ValueError):
+    """The conversation or the template is unusable; one-line message."""
+
+
+def render_chat_template(
+    template: str,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    variables: dict[str, Any],
+) -> str:
+    """Render ``messages`` with ``template``; ``variables`` (special tokens, template kwargs
+    such as ``enable_thinking``) become template variables. Raises ChatTemplateError."""
+    if not messages:
+        raise ChatTemplateError("cannot apply a chat template to an empty conversation")
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        raise ChatTemplateError("tools must be JSON-schema dicts")
+    chat = [_drop_none(m) for m in messages]
+    variables = dict(variables)
+    try:
+        return _compile(template).render(
+            messages=_plain(_alias_reasoning(chat)),
+            tools=_plain(tools),
+            documents=_plain(variables.pop("documents", None)),
+            add_generation_prompt=add_generation_prompt,
+            **_plain(variables),
+        )
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from None
+
+
+def _drop_none(message: dict) -> dict:
+    if not isinstance(message, dict):
+        raise ChatTemplateError(f"chat messages must be dicts, got {type(message).__name__}")
+    return {k: v for k, v in message.items() if v is not None}
+
+
+def _alias_reasoning(chat: list[dict]) -> list[dict]:
+    """Fill ``reasoning_content`` (and ``thinking``) from any of the names reasoning goes by."""
+    out = []
+    for m in chat:
+        r = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        out.append(m if r is None else {"thinking": r, **m, "reasoning_content": r})
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild template inputs from plain JSON types, so the sandbox sees no foreign methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):  # subclasses (enums, ...) lose their extra methods
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): renders the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """``dict(...)`` in templates, without attribute access to the real type."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace(...)`` that refuses underscore names (no path to CPython internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Namespace's signature trick
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes HTML characters; transformers' (and ours) does not
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not parse: {e} (line {e.lineno})") from None
+
+
+# --- streaming detokenization -----------------------------------------------------------------
