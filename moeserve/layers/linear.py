@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.linear import linear
 
 
 def copy_into(param: torch.Tensor):
@@ -37,7 +38,7 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         specs = {f"{prefix}.weight": WeightSpec(tuple(self.weight.shape), copy_into(self.weight))}

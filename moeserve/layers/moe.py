@@ -14,6 +14,7 @@ from torch import nn
 
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.linear import linear, linear_into
 
 
 def route_grouped_sigmoid(
@@ -149,9 +150,9 @@ def moe_grouped(
     start = 0
     for e, n in zip(experts, counts):
         end = start + n
-        gate_up = F.linear(x_RD[start:end], w13_EFD[e])
+        gate_up = linear(x_RD[start:end], w13_EFD[e])
         gate, up = gate_up.split(F2 // 2, dim=-1)
-        torch.matmul(F.silu(gate) * up, w2_EDF[e].t(), out=y_RD[start:end])
+        linear_into(F.silu(gate) * up, w2_EDF[e], out=y_RD[start:end])
         start = end
     y_RD.mul_(topk_w_TK.reshape(-1)[order_R].unsqueeze(1).to(y_RD.dtype))
     if T == 1:

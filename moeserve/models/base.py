@@ -18,6 +18,8 @@ from moeserve.layers.moe import MoEBlock
 from moeserve.layers.norm import RMSNorm
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.cpu import small_gemm
+from moeserve.ops.linear import linear
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ class MoECausalLM(nn.Module):
 
     def compute_logits(self, h_ND: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h_ND, w).float()
+        return linear(h_ND, w).float()
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         specs = {
@@ -136,9 +138,10 @@ class MoECausalLM(nn.Module):
 
 
 def prefers_kn_layout(device: torch.device, dtype: torch.dtype) -> bool:
-    """fp32 GEMMs with few rows (decode) stream a ``[K, N]`` weight ~1.2-2x faster than an
-    ``[N, K]`` one on AVX2 CPUs (measured: docs/benchmarks.md); bf16 wants ``[N, K]``."""
-    return device.type == "cpu" and dtype == torch.float32
+    """Without the few-row kernel (``ops/cpu``), MKL's fp32 GEMMs with few rows (decode) stream
+    a ``[K, N]`` weight ~1.2-2x faster than an ``[N, K]`` one on AVX2 CPUs (measured:
+    docs/benchmarks.md); the kernel and bf16 want ``[N, K]``."""
+    return device.type == "cpu" and dtype == torch.float32 and not small_gemm.available()
 
 
 @torch.no_grad()

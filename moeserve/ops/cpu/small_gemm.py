@@ -1,0 +1,113 @@
+"""Build, load and call the few-row fp32 GEMM kernel (``gemm_small.c``).
+
+The C source is compiled once per source version with the system C compiler into
+``$MOESERVE_CACHE/kernels`` and loaded with ctypes (no torch headers, so it builds in about a
+second). Loaded after torch, its OpenMP calls bind to the ``libgomp.so.1`` torch already
+loaded, so it uses torch's thread pool and ``torch.set_num_threads``. When the CPU lacks
+AVX2/FMA, no compiler is found, or ``MOESERVE_CPU_KERNELS=0``, :func:`available` is False and
+callers use ``F.linear`` (the reference).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from moeserve.config import cpu_flags, default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("gemm_small.c")
+MAX_ROWS = 16  # above this, MKL's blocked GEMM is as fast or faster (docs/benchmarks.md)
+
+
+def _compile(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) found")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+        cmd = [cc, *flags, str(_SOURCE), "-o", tmp]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, out)  # atomic: concurrent builders agree on one file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("MOESERVE_CPU_KERNELS", "1") == "0":
+        return None
+    if not {"avx2", "fma"} <= cpu_flags():
+        return None
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    path = Path(default_cache_dir()) / "kernels" / f"gemm_small-{digest}.so"
+    try:
+        if not path.is_file():
+            _compile(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("CPU GEMM kernel unavailable, using F.linear: %s", detail)
+        return None
+    fn = lib.moeserve_gemm_nt_small
+    fn.restype = None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, i64]
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``gemm_nt(x, w)`` runs the kernel for these operands."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and x.device.type == "cpu"
+        and w.dim() == 2
+        and w.stride(1) == 1
+        and x.stride(1) == 1
+        and available()
+    )
+
+
+def gemm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T`` for ``x [M, K]`` (M <= MAX_ROWS), ``w [N, K]`` with unit-stride rows.
+
+    ``out`` ([M, N], unit-stride rows) receives the result when given. The caller checks
+    :func:`usable` first; the reference is ``F.linear(x, w)``.
+    """
+    M, K = x.shape
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32)
+    _library().moeserve_gemm_nt_small(
+        M,
+        N,
+        K,
+        x.data_ptr(),
+        x.stride(0),
+        w.data_ptr(),
+        w.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+    )
+    return out

@@ -1,0 +1,46 @@
+"""The few-row CPU GEMM kernel against its reference, ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.ops.cpu import small_gemm
+from moeserve.ops.linear import linear, linear_into
+
+pytestmark = pytest.mark.skipif(
+    not small_gemm.available(), reason="no AVX2/FMA CPU or no C compiler: F.linear is used"
+)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 12, 16])
+@pytest.mark.parametrize("N,K", [(64, 32), (33, 17), (130, 1001), (7, 8), (1, 3)])
+def test_matches_linear(M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    torch.testing.assert_close(small_gemm.gemm_nt(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_strided_operands_and_out():
+    g = torch.Generator().manual_seed(0)
+    big_x = torch.randn(5, 100, generator=g)
+    stacked = torch.randn(3, 80, 100, generator=g)
+    x, w = big_x[:, 10:74], stacked[1, 5:45, 20:84]  # row strides 100, unit column strides
+    assert small_gemm.usable(x, w)
+    out = torch.full((5, 60), 7.0)
+    small_gemm.gemm_nt(x, w, out=out[:, 10:50])
+    torch.testing.assert_close(out[:, 10:50], F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert (out[:, :10] == 7).all() and (out[:, 50:] == 7).all()  # nothing outside written
+
+
+def test_dispatch_falls_back_where_the_kernel_does_not_apply():
+    x, w, b = torch.randn(17, 8), torch.randn(4, 8), torch.randn(4)
+    assert not small_gemm.usable(x, w)  # too many rows
+    assert not small_gemm.usable(x[:2].double(), w.double())
+    assert not small_gemm.usable(x[:2], w.t().contiguous().t())  # column-major weight
+    for rows in (1, 17):
+        torch.testing.assert_close(linear(x[:rows], w, b), F.linear(x[:rows], w, b))
+    out = torch.empty(3, 4)
+    linear_into(x[:3], w, out)
+    torch.testing.assert_close(out, F.linear(x[:3], w), rtol=1e-5, atol=1e-5)
