@@ -14,6 +14,7 @@ from torch import nn
 
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.cpu import small_gemm
 from moeserve.ops.linear import linear, linear_into
 
 
@@ -146,15 +147,18 @@ def moe_grouped(
         counts = [counts_E[e] for e in experts]
     token_R = order_R // K
     x_RD = x_TD.index_select(0, token_R)
-    y_RD = torch.empty_like(x_RD)
-    start = 0
-    for e, n in zip(experts, counts):
-        end = start + n
-        gate_up = linear(x_RD[start:end], w13_EFD[e])
-        gate, up = gate_up.split(F2 // 2, dim=-1)
-        linear_into(F.silu(gate) * up, w2_EDF[e], out=y_RD[start:end])
-        start = end
-    y_RD.mul_(topk_w_TK.reshape(-1)[order_R].unsqueeze(1).to(y_RD.dtype))
+    weight_R = topk_w_TK.reshape(-1)[order_R]
+    if max(counts) <= small_gemm.MAX_ROWS and small_gemm.moe_usable(x_RD, w13_EFD, w2_EDF):
+        y_RD = small_gemm.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
+    else:
+        y_RD = torch.empty_like(x_RD)
+        start = 0
+        for e, n in zip(experts, counts):
+            end = start + n
+            gate, up = linear(x_RD[start:end], w13_EFD[e]).split(F2 // 2, dim=-1)
+            linear_into(F.silu(gate) * up, w2_EDF[e], out=y_RD[start:end])
+            start = end
+        y_RD.mul_(weight_R.unsqueeze(1).to(y_RD.dtype))
     if T == 1:
         return y_RD.sum(dim=0, keepdim=True)
     return torch.zeros_like(x_TD).index_add_(0, token_R, y_RD)

@@ -10,6 +10,7 @@
  * it shares torch's OpenMP runtime and thread count.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define MB 6          /* token rows per block: 2 * MB accumulators + 3 registers */
@@ -85,6 +86,36 @@ void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int
                 case 5: dot_block(5, two, K, xm, ldx, w0, w1, ym, ldy); break;
                 default: dot_block(6, two, K, xm, ldx, w0, w1, ym, ldy); break;
             }
+        }
+    }
+}
+
+/* Routed experts for few rows, one call per MoE layer: for each group g (rows
+ * [start[g], start[g] + count[g]) of x, all routed to expert[g]):
+ *   h = x_g @ w13[e]^T            (gate rows then up rows: [count, 2F])
+ *   a = silu(h[:, :F]) * h[:, F:]  (written over h[:, :F])
+ *   y_g = route_w_g * (a @ w2[e]^T)
+ * w13 is [E, 2F, D] and w2 [E, D, F], both contiguous; h is scratch of [rows, 2F]. */
+void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                        const int64_t *count, int64_t D, int64_t F, const float *x,
+                        const float *w13, const float *w2, const float *route_w, float *h,
+                        float *y) {
+    for (int64_t g = 0; g < n_groups; g++) {
+        const int64_t e = expert[g], s = start[g], n = count[g];
+        float *hg = h + s * 2 * F;
+        moeserve_gemm_nt_small(n, 2 * F, D, x + s * D, D, w13 + e * 2 * F * D, D, hg, 2 * F);
+        for (int64_t r = 0; r < n; r++) {
+            float *row = hg + r * 2 * F;
+            for (int64_t f = 0; f < F; f++) {
+                const float gate = row[f];
+                row[f] = gate / (1.0f + expf(-gate)) * row[F + f];
+            }
+        }
+        float *yg = y + s * D;
+        moeserve_gemm_nt_small(n, D, F, hg, 2 * F, w2 + e * D * F, F, yg, D);
+        for (int64_t r = 0; r < n; r++) {
+            const float w = route_w[s + r];
+            for (int64_t d = 0; d < D; d++) yg[r * D + d] *= w;
         }
     }
 }

@@ -39,7 +39,7 @@ def _compile(out: Path) -> None:
     os.close(fd)
     try:
         flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-        cmd = [cc, *flags, str(_SOURCE), "-o", tmp]
+        cmd = [cc, *flags, str(_SOURCE), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)  # atomic: concurrent builders agree on one file
     finally:
@@ -67,6 +67,9 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, i64]
+    moe = lib.moeserve_moe_small
+    moe.restype = None
+    moe.argtypes = [i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
     return lib
 
 
@@ -111,3 +114,53 @@ def gemm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -
         out.stride(0),
     )
     return out
+
+
+def moe_usable(x_RD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> bool:
+    """Whether :func:`moe_experts` runs the kernel for these operands."""
+    return (
+        x_RD.dtype == w13_EFD.dtype == w2_EDF.dtype == torch.float32
+        and x_RD.device.type == "cpu"
+        and x_RD.is_contiguous()
+        and w13_EFD.is_contiguous()
+        and w2_EDF.is_contiguous()
+        and available()
+    )
+
+
+def moe_experts(
+    x_RD: torch.Tensor,
+    experts: list[int],
+    counts: list[int],
+    w13_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    weight_R: torch.Tensor,
+) -> torch.Tensor:
+    """Rows of ``x_RD`` sorted by expert (``counts[i]`` rows for ``experts[i]``) through their
+    experts' gated FFN, each scaled by its routing weight; the reference is the loop in
+    ``layers/moe.py: moe_grouped``."""
+    R, D = x_RD.shape
+    F = w2_EDF.shape[2]
+    starts, total = [], 0
+    for n in counts:
+        starts.append(total)
+        total += n
+    meta = torch.tensor([experts, starts, counts], dtype=torch.int64)
+    weight_R = weight_R.to(torch.float32).contiguous()
+    h = torch.empty(R, 2 * F, dtype=torch.float32)
+    y = torch.empty(R, D, dtype=torch.float32)
+    _library().moeserve_moe_small(
+        len(experts),
+        meta[0].data_ptr(),
+        meta[1].data_ptr(),
+        meta[2].data_ptr(),
+        D,
+        F,
+        x_RD.data_ptr(),
+        w13_EFD.data_ptr(),
+        w2_EDF.data_ptr(),
+        weight_R.data_ptr(),
+        h.data_ptr(),
+        y.data_ptr(),
+    )
+    return y
