@@ -19,7 +19,7 @@ from moeserve.models.weights import WeightSpec
 
 
 class GQAttention(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, dtype=torch.float32) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype=torch.float32) -> None:
         super().__init__()
         c = config
         self.H, self.G, self.Hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -31,7 +31,7 @@ class GQAttention(nn.Module):
         self.o_proj = Linear(self.q_size, D, dtype=dtype)
         self.q_norm = RMSNorm(self.Hd, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(self.Hd, c.rms_norm_eps, dtype) if c.qk_norm else None
-        self.rotary = RotaryEmbedding(c.rope, self.Hd, max_positions)
+        self.rotary = rotary  # shared by all layers
         self.scale = self.Hd**-0.5
         self.kv_cache: torch.Tensor | None = None  # [num_slots, 2, G, Hd]
 

@@ -28,7 +28,7 @@ from moeserve.models.weights import WeightSpec
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, dtype=torch.float32) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype=torch.float32) -> None:
         super().__init__()
         c = config
         self.H, self.C, self.R = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
@@ -45,7 +45,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.C, c.rms_norm_eps, dtype)
         self.kv_b_proj = Linear(self.C, self.H * (self.N + self.V), dtype=dtype)
         self.o_proj = Linear(self.H * self.V, D, bias=c.attention_bias, dtype=dtype)
-        self.rotary = RotaryEmbedding(c.rope, self.R, max_positions)
+        self.rotary = rotary  # shared by all layers; rotates the R rope dims
         self.scale = yarn_softmax_scale(c.rope, self.N + self.R)
         self.kv_cache: torch.Tensor | None = None  # [num_slots, C + R], bound by the runner
         # absorbed weights, derived from kv_b_proj after loading

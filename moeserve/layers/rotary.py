@@ -69,6 +69,10 @@ class RotaryEmbedding(nn.Module):
     ``interleave=True`` rotates pairs (x0, x1), (x2, x3), ... and returns them de-interleaved
     ([rotated evens | rotated odds]), exactly as transformers' DeepSeek code does; because q
     and k get the same permutation, their dot products are unchanged.
+
+    One instance serves every layer of a model: the cos/sin rows of the step's positions are
+    looked up once and reused while the same ``positions_T`` tensor comes back (it must not be
+    modified in place during a forward).
     """
 
     def __init__(self, rope: RopeConfig, dim: int, max_positions: int) -> None:
@@ -79,17 +83,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_cached", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin_cached", freqs.sin() * attention_factor, persistent=False)
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def _cos_sin(self, positions_T: torch.Tensor, dtype: torch.dtype):
+        last = self._last
+        if last is None or last[0] is not positions_T or last[1] != dtype:
+            cos = self.cos_cached[positions_T].to(dtype)
+            sin = self.sin_cached[positions_T].to(dtype)
+            last = self._last = (positions_T, dtype, cos, sin)
+        return last[2], last[3]
 
     def forward(self, positions_T: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, ..., dim] -> same shape, rotated."""
-        if positions_T.numel() and int(positions_T.max()) >= self.cos_cached.shape[0]:
-            raise ValueError(
-                f"position {int(positions_T.max())} exceeds the rotary table "
-                f"({self.cos_cached.shape[0]} positions)"
-            )
+        cos, sin = self._cos_sin(positions_T, x.dtype)
         shape = (positions_T.shape[0],) + (1,) * (x.dim() - 2) + (self.dim // 2,)
-        cos = self.cos_cached[positions_T].view(shape).to(x.dtype)
-        sin = self.sin_cached[positions_T].view(shape).to(x.dtype)
+        cos, sin = cos.view(shape), sin.view(shape)
         if self.interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:

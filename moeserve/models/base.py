@@ -16,6 +16,7 @@ from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.linear import GatedMLP, Linear, copy_into
 from moeserve.layers.moe import MoEBlock
 from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import small_gemm
@@ -76,14 +77,18 @@ class MoECausalLM(nn.Module):
         self.config, self.dtype = config, dtype
         D, V = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Parameter(torch.empty(V, D, dtype=dtype), requires_grad=False)
+        self.rotary = self.make_rotary(max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.make_attention(max_positions), dtype)
+            DecoderLayer(config, i, self.make_attention(self.rotary), dtype)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(D, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else Linear(D, V, dtype=dtype)
 
-    def make_attention(self, max_positions: int) -> nn.Module:
+    def make_rotary(self, max_positions: int) -> RotaryEmbedding:
+        raise NotImplementedError
+
+    def make_attention(self, rotary: RotaryEmbedding) -> nn.Module:
         raise NotImplementedError
 
     def kv_cache_spec(self) -> KVCacheSpec:

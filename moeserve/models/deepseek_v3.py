@@ -13,6 +13,7 @@ from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.linear import Linear, copy_into
 from moeserve.layers.mla import MLAttention
 from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.base import DecoderLayer, KVCacheSpec, MoECausalLM
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
@@ -22,16 +23,14 @@ class MTPLayer(nn.Module):
     """One next-token-prediction module: combines the main model's hidden state at position i
     with the embedding of token i+1 and runs one more decoder layer to predict token i+2."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int, dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype) -> None:
         super().__init__()
         D, V = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Parameter(torch.empty(V, D, dtype=dtype), requires_grad=False)
         self.enorm = RMSNorm(D, config.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(D, config.rms_norm_eps, dtype)
         self.eh_proj = Linear(2 * D, D, dtype=dtype)
-        self.block = DecoderLayer(
-            config, layer_idx, MLAttention(config, max_positions, dtype), dtype
-        )
+        self.block = DecoderLayer(config, layer_idx, MLAttention(config, rotary, dtype), dtype)
         self.head_norm = RMSNorm(D, config.rms_norm_eps, dtype)
         self.head = Linear(D, V, dtype=dtype)
 
@@ -75,12 +74,14 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         super().__init__(config, dtype, max_positions)
         n_mtp = config.num_nextn_predict_layers if load_mtp else 0
         self.mtp_layers = nn.ModuleList(
-            MTPLayer(config, config.num_hidden_layers + i, max_positions, dtype)
-            for i in range(n_mtp)
+            MTPLayer(config, config.num_hidden_layers + i, self.rotary, dtype) for i in range(n_mtp)
         )
 
-    def make_attention(self, max_positions: int) -> nn.Module:
-        return MLAttention(self.config, max_positions, self.dtype)
+    def make_rotary(self, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(self.config.rope, self.config.qk_rope_head_dim, max_positions)
+
+    def make_attention(self, rotary: RotaryEmbedding) -> nn.Module:
+        return MLAttention(self.config, rotary, self.dtype)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

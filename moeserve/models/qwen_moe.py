@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from moeserve.layers.attention import GQAttention
+from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.base import KVCacheSpec, MoECausalLM
 from moeserve.models.hf_config import ModelConfig
 
@@ -21,8 +22,11 @@ class QwenMoeForCausalLM(MoECausalLM):
     ) -> None:
         super().__init__(config, dtype, max_positions or config.max_position_embeddings)
 
-    def make_attention(self, max_positions: int) -> nn.Module:
-        return GQAttention(self.config, max_positions, self.dtype)
+    def make_rotary(self, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(self.config.rope, self.config.head_dim, max_positions)
+
+    def make_attention(self, rotary: RotaryEmbedding) -> nn.Module:
+        return GQAttention(self.config, rotary, self.dtype)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

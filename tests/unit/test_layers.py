@@ -8,7 +8,7 @@ import torch
 from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.mla import MLAttention
 from moeserve.layers.moe import moe_grouped, moe_reference, route_grouped_sigmoid
-from moeserve.layers.rotary import inv_freq_and_attention_factor
+from moeserve.layers.rotary import RotaryEmbedding, inv_freq_and_attention_factor
 from moeserve.models.hf_config import ModelConfig
 from tests.checkpoints import DEEPSEEK_KW
 
@@ -75,7 +75,7 @@ def test_absorbed_decode_equals_naive_attention():
     raw = {**DEEPSEEK_KW, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
     cfg = ModelConfig.from_hf(raw)
     torch.manual_seed(0)
-    attn = MLAttention(cfg, max_positions=256)
+    attn = MLAttention(cfg, RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, 256))
     for p in attn.parameters():
         p.data.normal_(0, 0.2)
     attn.process_weights_after_loading()
