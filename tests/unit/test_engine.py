@@ -162,3 +162,28 @@ def test_max_model_len_finishes_with_length(ckpt):
     out = llm.generate([list(range(2, 32))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_prompt_logprobs_survive_chunked_prefill(ckpt):
+    ids = prompts(1, seed=12)[0] + prompts(1, seed=13)[0]
+    p = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    whole = make_llm(ckpt).generate([ids], p)[0]
+    chunked = make_llm(ckpt, max_num_batched_tokens=16).generate([ids], p)[0]
+    assert len(chunked.prompt_logprobs) == len(ids) and chunked.prompt_logprobs[0] is None
+    assert chunked.outputs[0].token_ids == whole.outputs[0].token_ids
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+
+
+def test_chat_renders_the_template_and_takes_many_conversations(ckpt):
+    llm = make_llm(ckpt)
+    tok = llm.get_tokenizer()
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    out = llm.chat(conv, p)
+    want = tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
+    assert len(out) == 1 and out[0].prompt_token_ids == want
+    assert want[0] == tok.bos_token_id and want.count(tok.bos_token_id) == 1
+    many = llm.chat([conv, [{"role": "user", "content": "Hello"}]], p)
+    assert len(many) == 2 and many[0].outputs[0].token_ids == out[0].outputs[0].token_ids
