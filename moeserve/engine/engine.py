@@ -152,8 +152,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request at once; its KV blocks return to the pool before this returns."""
-        for seq in self.scheduler.abort(request_id):
-            self.outputs.on_abort(seq)
+        self.scheduler.abort(request_id)
         self.outputs.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:

@@ -7,6 +7,7 @@ for prompt logprobs, the entries for the prompt positions this chunk covered.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,67 +61,52 @@ class ModelRunner:
     def run(self, batch: Batch) -> list[SeqStepOutput]:
         input_ids_T, positions_T, meta = self.prepare(batch)
         h_TD = self.model(input_ids_T, positions_T, meta)
+        outputs = self._prompt_logprobs(batch, h_TD)
 
-        # rows whose logits we need: the last row of sampling chunks, and the prompt rows of
-        # sequences that asked for prompt logprobs (row at position p predicts prompt token p+1)
-        sample_rows, sample_seqs = [], []
-        plp_rows: list[int] = []
-        plp_targets: list[int] = []
-        plp_spans: dict[int, tuple[int, int, int]] = {}  # batch idx -> (first row in plp, n, pos)
+        # the last row of each chunk that reaches its sequence's end samples the next token
+        rows, seqs, idx = [], [], []
         row = 0
         for i, s in enumerate(batch.seqs):
-            seq = s.seq
-            if s.sample:
-                sample_rows.append(row + s.num_new_tokens - 1)
-                sample_seqs.append(seq)
-            if seq.wants_prompt_logprobs:
-                first = max(s.start, len(seq.prompt_logprobs) - 1)  # skip already recorded
-                last = min(s.end, seq.num_prompt_tokens - 1)  # positions predicting the prompt
-                if last > first:
-                    plp_spans[i] = (len(plp_rows), last - first, first)
-                    plp_rows.extend(range(row + first - s.start, row + last - s.start))
-                    plp_targets.extend(seq.prompt_token_ids[first + 1 : last + 1])
-                elif s.start == 0 and not seq.prompt_logprobs:
-                    plp_spans[i] = (len(plp_rows), 0, 0)
             row += s.num_new_tokens
+            if s.sample:
+                rows.append(row - 1)
+                seqs.append(s.seq)
+                idx.append(i)
+        if rows:
+            result = self.sampler(self.model.compute_logits(h_TD[rows]), seqs)
+            for k, i in enumerate(idx):
+                outputs[i] = dataclasses.replace(
+                    outputs[i], token_id=result.token_ids[k], logprobs=result.logprobs[k]
+                )
+        return outputs
 
+    def _prompt_logprobs(self, batch: Batch, h_TD: torch.Tensor) -> list[SeqStepOutput]:
+        """Entries for the prompt positions each chunk covers, for sequences that asked.
+
+        The row at position p predicts prompt token p + 1; positions already recorded (a
+        chunk recomputed after preemption) are skipped, and the first prompt token gets None.
+        """
         outputs = [SeqStepOutput() for _ in batch.seqs]
-        if plp_spans:
-            plp_entries: list[PositionLogprobs] = []
-            if plp_rows:
-                logits = self.model.compute_logits(h_TD[plp_rows])
-                # every seq with prompt logprobs asks the same N per seq; group by N
-                nums = {}
-                for i, (off, n, _) in plp_spans.items():
-                    nums.setdefault(batch.seqs[i].seq.params.prompt_logprobs, []).append((off, n))
-                plp_entries = [None] * len(plp_rows)  # type: ignore[list-item]
-                targets = torch.tensor(plp_targets, dtype=torch.long, device=self.device)
-                for num_top, spans in nums.items():
-                    idx = [r for off, n in spans for r in range(off, off + n)]
-                    got = compute_prompt_logprobs(logits[idx], targets[idx], num_top)
-                    for r, entry in zip(idx, got):
-                        plp_entries[r] = entry
-            for i, (off, n, pos) in plp_spans.items():
-                seq = batch.seqs[i].seq
-                entries: list[PositionLogprobs | None] = list(plp_entries[off : off + n])
-                first_position = pos + 1
-                if not seq.prompt_logprobs and batch.seqs[i].start == 0:
-                    entries = [None, *entries]  # the first prompt token has no distribution
-                    first_position = 0
-                outputs[i] = SeqStepOutput(prompt_logprobs=entries, first_position=first_position)
-
-        if sample_rows:
-            logits = self.model.compute_logits(h_TD[sample_rows])
-            result = self.sampler(logits, sample_seqs)
-            k = 0
-            for i, s in enumerate(batch.seqs):
-                if s.sample:
-                    prev = outputs[i]
-                    outputs[i] = SeqStepOutput(
-                        token_id=result.token_ids[k],
-                        logprobs=result.logprobs[k],
-                        prompt_logprobs=prev.prompt_logprobs,
-                        first_position=prev.first_position,
-                    )
-                    k += 1
+        row = 0
+        for i, s in enumerate(batch.seqs):
+            seq, chunk_row = s.seq, row
+            row += s.num_new_tokens
+            if not seq.wants_prompt_logprobs:
+                continue
+            first = max(s.start, len(seq.prompt_logprobs) - 1)
+            last = min(s.end, seq.num_prompt_tokens - 1)
+            entries: list[PositionLogprobs | None] = []
+            if last > first:
+                rows = list(range(chunk_row + first - s.start, chunk_row + last - s.start))
+                targets = torch.tensor(
+                    seq.prompt_token_ids[first + 1 : last + 1], device=h_TD.device
+                )
+                logits = self.model.compute_logits(h_TD[rows])
+                entries = list(compute_prompt_logprobs(logits, targets, seq.params.prompt_logprobs))
+            position = first + 1
+            if not seq.prompt_logprobs and s.start == 0:
+                entries.insert(0, None)  # the first prompt token has no distribution
+                position = 0
+            if entries:
+                outputs[i] = SeqStepOutput(prompt_logprobs=entries, first_position=position)
         return outputs

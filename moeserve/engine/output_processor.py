@@ -27,7 +27,7 @@ class _SampleState:
     detok: IncrementalDetokenizer | None
     text: str = ""
     num_tokens_seen: int = 0
-    stopped_text_len: int | None = None  # text length cut at a stop string
+    stopped: bool = False  # the text was cut at a stop string; later tokens add no text
 
 
 @dataclass
@@ -70,9 +70,6 @@ class OutputProcessor:
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    def on_abort(self, seq: Sequence) -> None:
-        pass  # the sequence is already marked finished (abort); nothing else to release
-
     def record_prompt_logprobs(self, batch: Batch, results: list[SeqStepOutput]) -> None:
         for s, r in zip(batch.seqs, results):
             if r.prompt_logprobs is None:
@@ -105,7 +102,7 @@ class OutputProcessor:
         seq = sample.seq
         new = seq.output_token_ids[sample.num_tokens_seen :]
         sample.num_tokens_seen = len(seq.output_token_ids)
-        if sample.detok is None or not new or sample.stopped_text_len is not None:
+        if sample.detok is None or not new or sample.stopped:
             return
         before = len(sample.text)
         sample.text += sample.detok.step(new)
@@ -119,7 +116,7 @@ class OutputProcessor:
                 index, stop = hit
                 keep = index + len(stop) if seq.params.include_stop_str_in_output else index
                 sample.text = sample.text[:keep]
-                sample.stopped_text_len = keep
+                sample.stopped = True
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.STOP, stop)
                 else:  # finished by a token in the same step: the stop string still wins
@@ -143,6 +140,8 @@ class OutputProcessor:
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         finished = all(s.seq.is_finished for s in state.samples)
+        # decoded_token strings are filled once, in the final output
+        decorate = self._decorate if finished else list
         completions = []
         for i, sample in enumerate(state.samples):
             seq = sample.seq
@@ -153,9 +152,7 @@ class OutputProcessor:
                     text=sample.text,
                     token_ids=list(seq.output_token_ids),
                     cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                    logprobs=self._decorate(seq.logprobs)
-                    if want_lp and finished
-                    else (seq.logprobs if want_lp else None),
+                    logprobs=decorate(seq.logprobs) if want_lp else None,
                     finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                     stop_reason=seq.stop_reason,
                 )
@@ -163,9 +160,7 @@ class OutputProcessor:
         first = state.samples[0].seq
         prompt_logprobs = None
         if state.params.prompt_logprobs is not None:
-            prompt_logprobs = (
-                self._decorate(first.prompt_logprobs) if finished else first.prompt_logprobs
-            )
+            prompt_logprobs = decorate(first.prompt_logprobs)
         metrics = {"arrival_time": state.arrival}
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
