@@ -78,8 +78,8 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         if self.sigmoid:
-            logits_TE = F.linear(x_TD.float(), self.weight)
-            return route_grouped_sigmoid(
+            logits_TE = linear(x_TD.float(), self.weight)
+            args = (
                 logits_TE,
                 self.e_score_correction_bias,
                 c.num_experts_per_tok,
@@ -88,6 +88,7 @@ class Router(nn.Module):
                 c.norm_topk_prob,
                 c.routed_scaling_factor,
             )
+            return small_gemm.route_grouped_sigmoid(*args) or route_grouped_sigmoid(*args)
         # Qwen computes its router logits in the model dtype
         logits_TE = F.linear(x_TD, self.weight.to(x_TD.dtype))
         return route_softmax(logits_TE, c.num_experts_per_tok, c.norm_topk_prob)
@@ -136,18 +137,20 @@ def moe_grouped(
     E, F2, _ = w13_EFD.shape
     ids_R = topk_ids_TK.reshape(-1)
     if T == 1:
-        # decode at batch 1: K experts, one row each; no sorting needed
-        order_R = torch.arange(K, device=ids_R.device)
+        # decode at batch 1: K experts, one row each, already in order; no sorting needed
+        token_R = None
         counts = [1] * K
         experts = ids_R.tolist()
+        x_RD = x_TD.expand(K, x_TD.shape[1]).contiguous()
+        weight_R = topk_w_TK.reshape(-1)
     else:
         order_R = ids_R.argsort(stable=True)
         counts_E = torch.bincount(ids_R, minlength=E).tolist()
         experts = [e for e in range(E) if counts_E[e]]
         counts = [counts_E[e] for e in experts]
-    token_R = order_R // K
-    x_RD = x_TD.index_select(0, token_R)
-    weight_R = topk_w_TK.reshape(-1)[order_R]
+        token_R = order_R // K
+        x_RD = x_TD.index_select(0, token_R)
+        weight_R = topk_w_TK.reshape(-1)[order_R]
     if max(counts) <= small_gemm.MAX_ROWS and small_gemm.moe_usable(x_RD, w13_EFD, w2_EDF):
         y_RD = small_gemm.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
     else:
@@ -159,7 +162,7 @@ def moe_grouped(
             linear_into(F.silu(gate) * up, w2_EDF[e], out=y_RD[start:end])
             start = end
         y_RD.mul_(weight_R.unsqueeze(1).to(y_RD.dtype))
-    if T == 1:
+    if token_R is None:
         return y_RD.sum(dim=0, keepdim=True)
     return torch.zeros_like(x_TD).index_add_(0, token_R, y_RD)
 

@@ -65,6 +65,24 @@ static inline __attribute__((always_inline)) void dot_block(
     }
 }
 
+/* All M rows of x (in blocks of MB) against weight rows n0 and n0 + 1 (n0 alone when !two). */
+static void pair_rows(int64_t M, int64_t K, const float *x, int64_t ldx, const float *w0,
+                      const float *w1, int two, float *y, int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t left = M - m0;
+        const float *xm = x + m0 * ldx;
+        float *ym = y + m0 * ldy;
+        switch (left >= MB ? MB : (int)left) {
+            case 1: dot_block(1, two, K, xm, ldx, w0, w1, ym, ldy); break;
+            case 2: dot_block(2, two, K, xm, ldx, w0, w1, ym, ldy); break;
+            case 3: dot_block(3, two, K, xm, ldx, w0, w1, ym, ldy); break;
+            case 4: dot_block(4, two, K, xm, ldx, w0, w1, ym, ldy); break;
+            case 5: dot_block(5, two, K, xm, ldx, w0, w1, ym, ldy); break;
+            default: dot_block(6, two, K, xm, ldx, w0, w1, ym, ldy); break;
+        }
+    }
+}
+
 void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                             const float *w, int64_t ldw, float *y, int64_t ldy) {
     const int64_t pairs = (N + 1) / 2;
@@ -73,20 +91,7 @@ void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int
         const int64_t n0 = 2 * p;
         const int two = n0 + 1 < N;
         const float *w0 = w + n0 * ldw;
-        const float *w1 = w0 + (two ? ldw : 0);
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int64_t left = M - m0;
-            const float *xm = x + m0 * ldx;
-            float *ym = y + m0 * ldy + n0;
-            switch (left >= MB ? MB : (int)left) {
-                case 1: dot_block(1, two, K, xm, ldx, w0, w1, ym, ldy); break;
-                case 2: dot_block(2, two, K, xm, ldx, w0, w1, ym, ldy); break;
-                case 3: dot_block(3, two, K, xm, ldx, w0, w1, ym, ldy); break;
-                case 4: dot_block(4, two, K, xm, ldx, w0, w1, ym, ldy); break;
-                case 5: dot_block(5, two, K, xm, ldx, w0, w1, ym, ldy); break;
-                default: dot_block(6, two, K, xm, ldx, w0, w1, ym, ldy); break;
-            }
-        }
+        pair_rows(M, K, x, ldx, w0, w0 + (two ? ldw : 0), two, y + n0, ldy);
     }
 }
 
@@ -95,27 +100,121 @@ void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int
  *   h = x_g @ w13[e]^T            (gate rows then up rows: [count, 2F])
  *   a = silu(h[:, :F]) * h[:, F:]  (written over h[:, :F])
  *   y_g = route_w_g * (a @ w2[e]^T)
- * w13 is [E, 2F, D] and w2 [E, D, F], both contiguous; h is scratch of [rows, 2F]. */
+ * w13 is [E, 2F, D] and w2 [E, D, F], both contiguous; h is scratch of [rows, 2F]. One
+ * parallel region: the threads share out the weight row pairs of all experts at once (three
+ * barriers per layer instead of two parallel regions per expert). */
 void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
                         const int64_t *count, int64_t D, int64_t F, const float *x,
                         const float *w13, const float *w2, const float *route_w, float *h,
                         float *y) {
-    for (int64_t g = 0; g < n_groups; g++) {
-        const int64_t e = expert[g], s = start[g], n = count[g];
-        float *hg = h + s * 2 * F;
-        moeserve_gemm_nt_small(n, 2 * F, D, x + s * D, D, w13 + e * 2 * F * D, D, hg, 2 * F);
-        for (int64_t r = 0; r < n; r++) {
-            float *row = hg + r * 2 * F;
+    const int64_t pairs13 = F, pairs2 = (D + 1) / 2; /* the 2F rows of w13 make F pairs */
+    int64_t rows = 0;
+    for (int64_t g = 0; g < n_groups; g++) rows += count[g];
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < n_groups * pairs13; job++) {
+            const int64_t g = job / pairs13, n0 = 2 * (job % pairs13);
+            const float *w0 = w13 + expert[g] * 2 * F * D + n0 * D;
+            pair_rows(count[g], D, x + start[g] * D, D, w0, w0 + D, 1,
+                      h + start[g] * 2 * F + n0, 2 * F);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = h + r * 2 * F;
             for (int64_t f = 0; f < F; f++) {
                 const float gate = row[f];
                 row[f] = gate / (1.0f + expf(-gate)) * row[F + f];
             }
         }
-        float *yg = y + s * D;
-        moeserve_gemm_nt_small(n, D, F, hg, 2 * F, w2 + e * D * F, F, yg, D);
-        for (int64_t r = 0; r < n; r++) {
-            const float w = route_w[s + r];
-            for (int64_t d = 0; d < D; d++) yg[r * D + d] *= w;
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < n_groups * pairs2; job++) {
+            const int64_t g = job / pairs2, n0 = 2 * (job % pairs2);
+            const int two = n0 + 1 < D;
+            const float *w0 = w2 + expert[g] * D * F + n0 * F;
+            float *yg = y + start[g] * D + n0;
+            pair_rows(count[g], F, h + start[g] * 2 * F, 2 * F, w0, w0 + (two ? F : 0), two,
+                      yg, D);
+            for (int64_t r = 0; r < count[g]; r++) {
+                const float w = route_w[start[g] + r];
+                yg[r * D] *= w;
+                if (two) yg[r * D + 1] *= w;
+            }
         }
+    }
+}
+
+/* RMSNorm of few rows: y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, single-threaded (a decode
+ * step's rows are a few KB; waking threads would cost more than the work). */
+void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, const float *w,
+                       float eps, float *y, int64_t ldy) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            __m256 v = _mm256_loadu_ps(xr + d);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum256(acc);
+        for (; d < D; d++) ss += xr[d] * xr[d];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (d = 0; d + 8 <= D; d += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + d), vinv);
+            _mm256_storeu_ps(yr + d, _mm256_mul_ps(v, _mm256_loadu_ps(w + d)));
+        }
+        for (; d < D; d++) yr[d] = xr[d] * inv * w[d];
+    }
+}
+
+/* DeepSeek-V3 routing for few rows (the reference is layers/moe.py: route_grouped_sigmoid):
+ * scores = sigmoid(logits); choice = scores + bias; keep the topk_group groups whose two best
+ * choice values sum highest; take the top_k choices among them (first index on ties);
+ * weights = scores of those, optionally renormalised, times scale. */
+void moeserve_route_grouped_sigmoid(int64_t T, int64_t E, int64_t n_group, int64_t topk_group,
+                                    int64_t top_k, const float *logits, const float *bias,
+                                    int norm, float scale, int64_t *ids, float *weights) {
+    float score[1024], choice[1024], group_score[256];
+    const int64_t per_group = E / n_group;
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * E;
+        for (int64_t e = 0; e < E; e++) {
+            score[e] = 1.0f / (1.0f + expf(-l[e]));
+            choice[e] = bias ? score[e] + bias[e] : score[e];
+        }
+        if (n_group > 1 && topk_group < n_group) {
+            for (int64_t g = 0; g < n_group; g++) {
+                float b1 = -INFINITY, b2 = -INFINITY;
+                for (int64_t e = g * per_group; e < (g + 1) * per_group; e++) {
+                    const float c = choice[e];
+                    if (c > b1) { b2 = b1; b1 = c; } else if (c > b2) { b2 = c; }
+                }
+                group_score[g] = per_group > 1 ? b1 + b2 : b1;
+            }
+            for (int64_t drop = 0; drop < n_group - topk_group; drop++) {
+                int64_t worst = -1;
+                for (int64_t g = 0; g < n_group; g++)
+                    if (group_score[g] != INFINITY &&
+                        (worst < 0 || group_score[g] < group_score[worst]))
+                        worst = g;
+                group_score[worst] = INFINITY; /* marks a dropped group */
+                for (int64_t e = worst * per_group; e < (worst + 1) * per_group; e++)
+                    choice[e] = -INFINITY;
+            }
+        }
+        float sum = 0.0f;
+        for (int64_t k = 0; k < top_k; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (choice[e] != -INFINITY && (best < 0 || choice[e] > choice[best])) best = e;
+            ids[t * top_k + k] = best;
+            weights[t * top_k + k] = score[best];
+            sum += score[best];
+            choice[best] = -INFINITY;
+        }
+        const float f = norm ? scale / (sum + 1e-20f) : scale;
+        for (int64_t k = 0; k < top_k; k++) weights[t * top_k + k] *= f;
     }
 }

@@ -67,6 +67,12 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, i64]
+    norm = lib.moeserve_rms_norm
+    norm.restype = None
+    norm.argtypes = [i64, i64, ptr, i64, ptr, ctypes.c_float, ptr, i64]
+    route = lib.moeserve_route_grouped_sigmoid
+    route.restype = None
+    route.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_float, ptr, ptr]
     moe = lib.moeserve_moe_small
     moe.restype = None
     moe.argtypes = [i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
@@ -164,3 +170,66 @@ def moe_experts(
         y.data_ptr(),
     )
     return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm over the last dim for few fp32 rows with the kernel; None when it does not apply
+    (the caller then uses ``F.rms_norm``, the reference)."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D) if x.dim() != 2 else x
+    if not (
+        x2.dtype == weight.dtype == torch.float32
+        and x2.device.type == "cpu"
+        and 0 < x2.shape[0] <= MAX_ROWS
+        and x2.stride(-1) == 1
+        and weight.is_contiguous()
+        and available()
+    ):
+        return None
+    y = torch.empty(x2.shape, dtype=torch.float32)
+    _library().moeserve_rms_norm(
+        x2.shape[0], D, x2.data_ptr(), x2.stride(0), weight.data_ptr(), eps, y.data_ptr(), D
+    )
+    return y.view(x.shape)
+
+
+def route_grouped_sigmoid(
+    logits_TE: torch.Tensor,
+    bias_E: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSeek-V3 routing of few rows in C; None when it does not apply (the caller then runs
+    ``layers/moe.py: route_grouped_sigmoid``, the reference)."""
+    T, E = logits_TE.shape
+    if not (
+        logits_TE.dtype == torch.float32
+        and logits_TE.device.type == "cpu"
+        and logits_TE.is_contiguous()
+        and 0 < T <= MAX_ROWS
+        and E <= 1024
+        and n_group <= 256
+        and top_k <= topk_group * (E // n_group)
+        and (bias_E is None or (bias_E.dtype == torch.float32 and bias_E.is_contiguous()))
+        and available()
+    ):
+        return None
+    ids = torch.empty(T, top_k, dtype=torch.int64)
+    weights = torch.empty(T, top_k, dtype=torch.float32)
+    _library().moeserve_route_grouped_sigmoid(
+        T,
+        E,
+        n_group,
+        topk_group,
+        top_k,
+        logits_TE.data_ptr(),
+        None if bias_E is None else bias_E.data_ptr(),
+        int(norm_topk_prob),
+        scaling,
+        ids.data_ptr(),
+        weights.data_ptr(),
+    )
+    return weights, ids

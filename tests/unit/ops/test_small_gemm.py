@@ -67,3 +67,27 @@ def test_moe_kernel_matches_reference(T):
     got = torch.zeros_like(x).index_add_(0, order // K, y_RD)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(moe_grouped(x, w13, w2, w, ids), ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("n_group,topk_group,norm", [(8, 4, True), (1, 1, False), (4, 4, True)])
+def test_routing_kernel_matches_reference(n_group, topk_group, norm):
+    from moeserve.layers.moe import route_grouped_sigmoid
+
+    g = torch.Generator().manual_seed(n_group)
+    logits, bias = torch.randn(16, 64, generator=g), torch.randn(64, generator=g) * 0.1
+    got_w, got_ids = small_gemm.route_grouped_sigmoid(
+        logits, bias, 6, n_group, topk_group, norm, 2.5
+    )
+    ref_w, ref_ids = route_grouped_sigmoid(logits, bias, 6, n_group, topk_group, norm, 2.5)
+    got_sorted, got_order = got_ids.sort(dim=1)
+    ref_sorted, ref_order = ref_ids.sort(dim=1)
+    assert torch.equal(got_sorted, ref_sorted)
+    torch.testing.assert_close(got_w.gather(1, got_order), ref_w.gather(1, ref_order))
+
+
+def test_rms_norm_kernel_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 2, 1003, generator=g), torch.randn(1003, generator=g)
+    got = small_gemm.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(got, F.rms_norm(x, (1003,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    assert small_gemm.rms_norm(torch.randn(40, 8), torch.ones(8), 1e-6) is None  # too many rows
