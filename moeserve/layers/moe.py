@@ -14,7 +14,7 @@ from torch import nn
 
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
-from moeserve.ops.cpu import small_gemm
+from moeserve.ops.cpu import kernels
 from moeserve.ops.linear import linear, linear_into
 
 
@@ -88,7 +88,7 @@ class Router(nn.Module):
                 c.norm_topk_prob,
                 c.routed_scaling_factor,
             )
-            return small_gemm.route_grouped_sigmoid(*args) or route_grouped_sigmoid(*args)
+            return kernels.route_grouped_sigmoid(*args) or route_grouped_sigmoid(*args)
         # Qwen computes its router logits in the model dtype
         logits_TE = F.linear(x_TD, self.weight.to(x_TD.dtype))
         return route_softmax(logits_TE, c.num_experts_per_tok, c.norm_topk_prob)
@@ -151,8 +151,8 @@ def moe_grouped(
         token_R = order_R // K
         x_RD = x_TD.index_select(0, token_R)
         weight_R = topk_w_TK.reshape(-1)[order_R]
-    if max(counts) <= small_gemm.MAX_ROWS and small_gemm.moe_usable(x_RD, w13_EFD, w2_EDF):
-        y_RD = small_gemm.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
+    if max(counts) <= kernels.MAX_ROWS and kernels.moe_usable(x_RD, w13_EFD, w2_EDF):
+        y_RD = kernels.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
     else:
         y_RD = torch.empty_like(x_RD)
         start = 0

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.ops.cpu import small_gemm
+from moeserve.ops.cpu import kernels
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            y = small_gemm.rms_norm(x, self.weight, self.eps)  # decode rows on CPU
+            y = kernels.rms_norm(x, self.weight, self.eps)  # decode rows on CPU
             if y is not None:
                 return y
             # one fused op; the same arithmetic as the reference path below

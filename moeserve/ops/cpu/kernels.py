@@ -1,11 +1,13 @@
-"""Build, load and call the few-row fp32 GEMM kernel (``gemm_small.c``).
+"""Build, load and call the CPU decode kernels of ``kernels.c``: the few-row fp32 GEMM, the
+routed-expert FFN of a MoE layer, RMSNorm and DeepSeek's grouped routing, each for at most
+``MAX_ROWS`` token rows, each with its pure-torch reference named in its docstring.
 
 The C source is compiled once per source version with the system C compiler into
 ``$MOESERVE_CACHE/kernels`` and loaded with ctypes (no torch headers, so it builds in about a
 second). Loaded after torch, its OpenMP calls bind to the ``libgomp.so.1`` torch already
 loaded, so it uses torch's thread pool and ``torch.set_num_threads``. When the CPU lacks
 AVX2/FMA, no compiler is found, or ``MOESERVE_CPU_KERNELS=0``, :func:`available` is False and
-callers use ``F.linear`` (the reference).
+callers use the references.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from moeserve.config import cpu_flags, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("gemm_small.c")
+_SOURCE = Path(__file__).with_name("kernels.c")
 MAX_ROWS = 16  # above this, MKL's blocked GEMM is as fast or faster (docs/benchmarks.md)
 
 
@@ -54,7 +56,7 @@ def _library() -> ctypes.CDLL | None:
     if not {"avx2", "fma"} <= cpu_flags():
         return None
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    path = Path(default_cache_dir()) / "kernels" / f"gemm_small-{digest}.so"
+    path = Path(default_cache_dir()) / "kernels" / f"kernels-{digest}.so"
     try:
         if not path.is_file():
             _compile(path)

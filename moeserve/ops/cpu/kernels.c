@@ -1,4 +1,5 @@
-/* Few-row fp32 GEMM for decode on AVX2+FMA CPUs: y[M, N] = x[M, K] @ w[N, K]^T.
+/* fp32 kernels for decode (a few token rows) on AVX2+FMA CPUs. The core is the few-row GEMM
+ * y[M, N] = x[M, K] @ w[N, K]^T; the MoE layer, RMSNorm and routing build on it.
  *
  * Decode multiplies a handful of token rows by large weights, so the weight must be streamed
  * from memory exactly once at full bandwidth. Each thread takes pairs of weight rows (each
@@ -6,7 +7,7 @@
  * that stay in L1, keeping 2 * MB accumulators in registers. BLAS libraries tile for large M
  * and read the weight at a fraction of the bandwidth when M is 2..16.
  *
- * Compiled at first use (moeserve/ops/cpu/small_gemm.py) with -fopenmp; loaded after torch,
+ * Compiled at first use (moeserve/ops/cpu/kernels.py) with -fopenmp; loaded after torch,
  * it shares torch's OpenMP runtime and thread count.
  */
 #include <immintrin.h>

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import small_gemm
+from moeserve.ops.cpu import kernels
 from moeserve.ops.linear import linear, linear_into
 
 pytestmark = pytest.mark.skipif(
-    not small_gemm.available(), reason="no AVX2/FMA CPU or no C compiler: F.linear is used"
+    not kernels.available(), reason="no AVX2/FMA CPU or no C compiler: F.linear is used"
 )
 
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 def test_matches_linear(M, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-    torch.testing.assert_close(small_gemm.gemm_nt(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.gemm_nt(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_strided_operands_and_out():
@@ -27,18 +27,18 @@ def test_strided_operands_and_out():
     big_x = torch.randn(5, 100, generator=g)
     stacked = torch.randn(3, 80, 100, generator=g)
     x, w = big_x[:, 10:74], stacked[1, 5:45, 20:84]  # row strides 100, unit column strides
-    assert small_gemm.usable(x, w)
+    assert kernels.usable(x, w)
     out = torch.full((5, 60), 7.0)
-    small_gemm.gemm_nt(x, w, out=out[:, 10:50])
+    kernels.gemm_nt(x, w, out=out[:, 10:50])
     torch.testing.assert_close(out[:, 10:50], F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert (out[:, :10] == 7).all() and (out[:, 50:] == 7).all()  # nothing outside written
 
 
 def test_dispatch_falls_back_where_the_kernel_does_not_apply():
     x, w, b = torch.randn(17, 8), torch.randn(4, 8), torch.randn(4)
-    assert not small_gemm.usable(x, w)  # too many rows
-    assert not small_gemm.usable(x[:2].double(), w.double())
-    assert not small_gemm.usable(x[:2], w.t().contiguous().t())  # column-major weight
+    assert not kernels.usable(x, w)  # too many rows
+    assert not kernels.usable(x[:2].double(), w.double())
+    assert not kernels.usable(x[:2], w.t().contiguous().t())  # column-major weight
     for rows in (1, 17):
         torch.testing.assert_close(linear(x[:rows], w, b), F.linear(x[:rows], w, b))
     out = torch.empty(3, 4)
@@ -61,7 +61,7 @@ def test_moe_kernel_matches_reference(T):
     order = flat.argsort(stable=True)
     counts_E = torch.bincount(flat, minlength=E).tolist()
     experts = [e for e in range(E) if counts_E[e]]
-    y_RD = small_gemm.moe_experts(
+    y_RD = kernels.moe_experts(
         x[order // K], experts, [counts_E[e] for e in experts], w13, w2, w.reshape(-1)[order]
     )
     got = torch.zeros_like(x).index_add_(0, order // K, y_RD)
@@ -75,7 +75,7 @@ def test_routing_kernel_matches_reference(n_group, topk_group, norm):
 
     g = torch.Generator().manual_seed(n_group)
     logits, bias = torch.randn(16, 64, generator=g), torch.randn(64, generator=g) * 0.1
-    got_w, got_ids = small_gemm.route_grouped_sigmoid(
+    got_w, got_ids = kernels.route_grouped_sigmoid(
         logits, bias, 6, n_group, topk_group, norm, 2.5
     )
     ref_w, ref_ids = route_grouped_sigmoid(logits, bias, 6, n_group, topk_group, norm, 2.5)
@@ -88,6 +88,6 @@ def test_routing_kernel_matches_reference(n_group, topk_group, norm):
 def test_rms_norm_kernel_matches_reference():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 2, 1003, generator=g), torch.randn(1003, generator=g)
-    got = small_gemm.rms_norm(x, w, 1e-6)
+    got = kernels.rms_norm(x, w, 1e-6)
     torch.testing.assert_close(got, F.rms_norm(x, (1003,), w, 1e-6), rtol=1e-5, atol=1e-5)
-    assert small_gemm.rms_norm(torch.randn(40, 8), torch.ones(8), 1e-6) is None  # too many rows
+    assert kernels.rms_norm(torch.randn(40, 8), torch.ones(8), 1e-6) is None  # too many rows
