@@ -75,9 +75,7 @@ def test_routing_kernel_matches_reference(n_group, topk_group, norm):
 
     g = torch.Generator().manual_seed(n_group)
     logits, bias = torch.randn(16, 64, generator=g), torch.randn(64, generator=g) * 0.1
-    got_w, got_ids = kernels.route_grouped_sigmoid(
-        logits, bias, 6, n_group, topk_group, norm, 2.5
-    )
+    got_w, got_ids = kernels.route_grouped_sigmoid(logits, bias, 6, n_group, topk_group, norm, 2.5)
     ref_w, ref_ids = route_grouped_sigmoid(logits, bias, 6, n_group, topk_group, norm, 2.5)
     got_sorted, got_order = got_ids.sort(dim=1)
     ref_sorted, ref_order = ref_ids.sort(dim=1)
