@@ -7,7 +7,7 @@ One call turns the last-position logits of every sequence into one token each:
         ▼  process_logits: repetition penalty (prompt + output tokens), frequency / presence
         │  penalties (output tokens), min_tokens (EOS and stop ids masked to -inf)
         ├─► greedy rows: argmax
-        ▼  sampling_logits: temperature, top-k, top-p, min-p (removed tokens become -inf)
+        ▼  sampling_logits: temperature, min-p, top-k, top-p (removed tokens become -inf)
     softmax ──► inverse CDF: first token whose float64 cumulative probability exceeds u * total,
                 u ~ U[0, 1) drawn from the row's generator (or the global RNG)
 
@@ -17,8 +17,9 @@ vLLM's exponential race (``argmax(probs / q)``, ``q ~ Exp(1)``): both draw exact
 ``probs``, but the race needs V random numbers per row and CPU generators are serial (256 x 129k
 exponentials take ~0.7 s on 2 cores; the float64 cumsum ~0.16 s, and it parallelizes).
 
-Order: top-k, top-p, then min-p, as asked of this module (vLLM V0's order). vLLM V1 applies
-min-p before top-k/top-p; the two differ only for rows that set both top_p and min_p.
+Order: min-p, then top-k and top-p, as vLLM V1 applies them (min-p's threshold is relative to
+the most likely token, which top-k/top-p always keep; top-p's nucleus is taken over what
+min-p left).
 
 Every stage is vectorized across rows and skipped when no row needs it. The ``reference_*``
 functions and :func:`sample_reference` do the same per row in plain torch: they are the test
@@ -133,7 +134,8 @@ def process_logits(logits_BV: torch.Tensor, seqs: SequenceABC[Sequence]) -> torc
 
 
 def sampling_logits(logits_RV: torch.Tensor, seqs: SequenceABC[Sequence]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, as a new tensor with removed tokens at -inf.
+    """Temperature, then min-p, top-k and top-p (vLLM V1's order), as a new tensor with removed
+    tokens at -inf.
 
     ``softmax`` of the result is the distribution a random row samples from. Greedy params are
     not expected here (temperature 0 would divide by zero).
@@ -145,6 +147,18 @@ def sampling_logits(logits_RV: torch.Tensor, seqs: SequenceABC[Sequence]) -> tor
         l_RV = logits_RV.clone()
     else:
         l_RV = logits_RV / torch.tensor(temps, device=dev).unsqueeze(1)
+
+    min_p = [r for r, p in enumerate(params) if p.min_p > 0.0]
+    if min_p:
+        log_min_p_S1 = torch.tensor([math.log(params[r].min_p) for r in min_p], device=dev)
+        log_min_p_S1 = log_min_p_S1.unsqueeze(1)
+
+        def mask_min_p(l_SV: torch.Tensor) -> None:
+            # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p)
+            thresh_S1 = l_SV.max(dim=-1, keepdim=True).values + log_min_p_S1
+            l_SV.masked_fill_(l_SV < thresh_S1, -math.inf)
+
+        _update_rows(l_RV, min_p, mask_min_p)
 
     top_k = [r for r, p in enumerate(params) if 0 < p.top_k < vocab]
     if top_k:
@@ -165,17 +179,6 @@ def sampling_logits(logits_RV: torch.Tensor, seqs: SequenceABC[Sequence]) -> tor
 
         _update_rows(l_RV, top_p, mask_top_p)
 
-    min_p = [r for r, p in enumerate(params) if p.min_p > 0.0]
-    if min_p:
-        log_min_p_S1 = torch.tensor([math.log(params[r].min_p) for r in min_p], device=dev)
-        log_min_p_S1 = log_min_p_S1.unsqueeze(1)
-
-        def mask_min_p(l_SV: torch.Tensor) -> None:
-            # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p)
-            thresh_S1 = l_SV.max(dim=-1, keepdim=True).values + log_min_p_S1
-            l_SV.masked_fill_(l_SV < thresh_S1, -math.inf)
-
-        _update_rows(l_RV, min_p, mask_min_p)
     return l_RV
 
 
@@ -357,8 +360,11 @@ def reference_process_logits(logits_V: torch.Tensor, seq: Sequence) -> torch.Ten
 
 
 def reference_sampling_logits(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p for one row; removed tokens at -inf."""
+    """Temperature, min-p, top-k and top-p for one row; removed tokens at -inf."""
     l = logits_V.float() / params.temperature
+    if params.min_p > 0.0:
+        probs = l.softmax(dim=-1)
+        l = l.masked_fill(probs < params.min_p * probs.max(), -math.inf)
     if params.top_k > 0:
         kth = l.sort(descending=True).values[min(params.top_k, l.numel()) - 1]
         l = l.masked_fill(l < kth, -math.inf)
@@ -367,9 +373,6 @@ def reference_sampling_logits(logits_V: torch.Tensor, params: SamplingParams) ->
         cum = sorted_l.softmax(dim=-1).cumsum(dim=-1)
         n_keep = min(int((cum < params.top_p).sum()) + 1, l.numel())
         l = l.masked_fill(l < sorted_l[n_keep - 1], -math.inf)
-    if params.min_p > 0.0:
-        probs = l.softmax(dim=-1)
-        l = l.masked_fill(probs < params.min_p * probs.max(), -math.inf)
     return l
 
 
