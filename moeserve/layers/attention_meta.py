@@ -26,10 +26,6 @@ class PrefillChunk:
     context_start: int  # tokens of this sequence already in the cache before the chunk
     slots_L: torch.Tensor | None  # flat slots of the whole context [context_start + num_tokens]
 
-    @property
-    def context_len(self) -> int:
-        return self.context_start + self.num_tokens
-
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -38,10 +34,6 @@ class AttentionMetadata:
     decode_slots_BL: torch.Tensor | None  # [num_decodes, L_max] context slots, 0 where padded
     decode_bias_B1L: torch.Tensor | None  # [num_decodes, 1, L_max] 0 for valid, -inf for padding
     prefills: tuple[PrefillChunk, ...]
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
 
     @staticmethod
     def build(
@@ -79,28 +71,21 @@ class AttentionMetadata:
             decode_bias = torch.zeros(num_decodes, 1, L).masked_fill_(
                 ~valid_BL[:, None, :], float("-inf")
             )
+        to = torch.device(device)
         prefills = []
         token_start = num_decodes
         for i in range(num_decodes, len(num_new)):
             s, n = starts[i], num_new[i]
-            ctx = slots_of(block_tables[i], 0, s + n) if s > 0 else None
+            # a chunk that starts the sequence attends only to itself: no cache read needed
+            ctx = slots_of(block_tables[i], 0, s + n).to(to) if s > 0 else None
             prefills.append(PrefillChunk(token_start, n, s, ctx))
             token_start += n
-        to = torch.device(device)
         return AttentionMetadata(
             num_decodes=num_decodes,
             slot_mapping_T=slot_mapping_T.to(to),
             decode_slots_BL=None if decode_slots is None else decode_slots.to(to),
             decode_bias_B1L=None if decode_bias is None else decode_bias.to(to),
-            prefills=tuple(
-                PrefillChunk(
-                    p.token_start,
-                    p.num_tokens,
-                    p.context_start,
-                    None if p.slots_L is None else p.slots_L.to(to),
-                )
-                for p in prefills
-            ),
+            prefills=tuple(prefills),
         )
 
 
