@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 12, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 12, 16, 33, 64])
 @pytest.mark.parametrize("N,K", [(64, 32), (33, 17), (130, 1001), (7, 8), (1, 3)])
 def test_matches_linear(M, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
@@ -35,11 +35,12 @@ def test_strided_operands_and_out():
 
 
 def test_dispatch_falls_back_where_the_kernel_does_not_apply():
-    x, w, b = torch.randn(17, 8), torch.randn(4, 8), torch.randn(4)
+    rows = kernels.MAX_ROWS + 1
+    x, w, b = torch.randn(rows, 8), torch.randn(4, 8), torch.randn(4)
     assert not kernels.usable(x, w)  # too many rows
     assert not kernels.usable(x[:2].double(), w.double())
     assert not kernels.usable(x[:2], w.t().contiguous().t())  # column-major weight
-    for rows in (1, 17):
+    for rows in (1, kernels.MAX_ROWS + 1):
         torch.testing.assert_close(linear(x[:rows], w, b), F.linear(x[:rows], w, b))
     out = torch.empty(3, 4)
     linear_into(x[:3], w, out)
@@ -88,4 +89,5 @@ def test_rms_norm_kernel_matches_reference():
     x, w = torch.randn(3, 2, 1003, generator=g), torch.randn(1003, generator=g)
     got = kernels.rms_norm(x, w, 1e-6)
     torch.testing.assert_close(got, F.rms_norm(x, (1003,), w, 1e-6), rtol=1e-5, atol=1e-5)
-    assert kernels.rms_norm(torch.randn(40, 8), torch.ones(8), 1e-6) is None  # too many rows
+    too_many = torch.randn(kernels.MAX_ROWS + 1, 8)
+    assert kernels.rms_norm(too_many, torch.ones(8), 1e-6) is None
