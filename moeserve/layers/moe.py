@@ -151,7 +151,7 @@ def moe_grouped(
         token_R = order_R // K
         x_RD = x_TD.index_select(0, token_R)
         weight_R = topk_w_TK.reshape(-1)[order_R]
-    if max(counts) <= kernels.MAX_ROWS and kernels.moe_usable(x_RD, w13_EFD, w2_EDF):
+    if kernels.moe_usable(x_RD, counts, w13_EFD, w2_EDF):
         y_RD = kernels.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
     else:
         y_RD = torch.empty_like(x_RD)

@@ -14,7 +14,7 @@ from moeserve.ops.cpu import kernels
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``x [..., K]``, ``w [N, K]``."""
-    if x.dim() == 2 and kernels.usable(x, w):
+    if kernels.usable(x, w):
         y = kernels.gemm_nt(x, w)
         return y if bias is None else y.add_(bias)
     return F.linear(x, w, bias)

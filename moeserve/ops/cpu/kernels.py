@@ -63,7 +63,7 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        logger.warning("CPU GEMM kernel unavailable, using F.linear: %s", detail)
+        logger.warning("CPU kernels unavailable, using the torch references: %s", detail)
         return None
     fn = lib.moeserve_gemm_nt_small
     fn.restype = None
@@ -124,10 +124,13 @@ def gemm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -
     return out
 
 
-def moe_usable(x_RD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> bool:
+def moe_usable(
+    x_RD: torch.Tensor, counts: list[int], w13_EFD: torch.Tensor, w2_EDF: torch.Tensor
+) -> bool:
     """Whether :func:`moe_experts` runs the kernel for these operands."""
     return (
-        x_RD.dtype == w13_EFD.dtype == w2_EDF.dtype == torch.float32
+        max(counts) <= MAX_ROWS
+        and x_RD.dtype == w13_EFD.dtype == w2_EDF.dtype == torch.float32
         and x_RD.device.type == "cpu"
         and x_RD.is_contiguous()
         and w13_EFD.is_contiguous()
