@@ -14,13 +14,44 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--no-mtp", action="store_true", help="do not load the MTP layers")
-    p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads per rank")
+    par = p.add_argument_group("parallelism (vLLM's meanings; ranks are spawned here)")
+    par.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp")
+    par.add_argument("--dp", "--data-parallel-size", type=int, default=None, dest="dp")
+    par.add_argument("--pp", "--pipeline-parallel-size", type=int, default=1, dest="pp")
+    par.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split the routed experts over the tp x dp ranks of each stage",
+    )
+    par.add_argument(
+        "--ep", type=int, default=None, help="shorthand for --dp N --enable-expert-parallel"
+    )
+    par.add_argument("--num-redundant-experts", type=int, default=0)
+    par.add_argument(
+        "--no-moe-overlap",
+        action="store_true",
+        help="run the shared experts after the expert dispatch instead of during it",
+    )
+    par.add_argument("--two-batch-overlap", action="store_true")
+    par.add_argument("--numa-bind", choices=("auto", "none"), default="auto")
+    par.add_argument("--dist-timeout", type=float, default=120.0, help="seconds")
+    par.add_argument("--nnodes", type=int, default=1, help="hosts of a multi-host group")
+    par.add_argument("--node-rank", type=int, default=0)
+    par.add_argument("--master-addr", default=None, help="address of node rank 0")
+    par.add_argument("--master-port", type=int, default=None)
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from moeserve import LLM, SamplingParams
-
-    llm = LLM(
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the engine and parallel flags (shared by every command)."""
+    dp, ep_on = args.dp, args.enable_expert_parallel
+    if args.ep is not None:
+        if dp is not None and dp != args.ep:
+            raise ValueError(f"--ep {args.ep} means --dp {args.ep}; it conflicts with --dp {dp}")
+        dp, ep_on = args.ep, True
+    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        raise ValueError("--nnodes > 1 needs --master-addr and --master-port (node rank 0's)")
+    return dict(
         model=args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -28,8 +59,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         load_mtp=not args.no_mtp,
         num_threads=args.threads,
-        progress=not args.quiet,
+        tensor_parallel_size=args.tp,
+        data_parallel_size=dp or 1,
+        pipeline_parallel_size=args.pp,
+        enable_expert_parallel=ep_on,
+        num_redundant_experts=args.num_redundant_experts,
+        moe_overlap=not args.no_moe_overlap,
+        two_batch_overlap=args.two_batch_overlap,
+        numa_bind=args.numa_bind,
+        dist_timeout_s=args.dist_timeout,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from moeserve import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args), progress=not args.quiet)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -48,6 +97,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt = tok.encode(text, add_special_tokens=False)
     else:
         prompt = args.prompt
+    try:
+        _stream(llm, prompt, params, args.quiet)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _stream(llm, prompt, params, quiet: bool) -> None:
     printed = 0
     last = None
     for out in llm.stream(prompt, params):
@@ -57,10 +114,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         printed = len(text)
         last = out
     sys.stdout.write("\n")
-    if last is not None and not args.quiet:
+    if last is not None and not quiet:
         c = last.outputs[0]
         print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
-    return 0
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
@@ -103,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # an engine group that failed to start or lost a rank
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

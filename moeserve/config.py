@@ -77,6 +77,21 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     progress: bool = True
+    # parallel layout (vLLM's names); see moeserve/distributed/parallel_dims.py
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    num_redundant_experts: int = 0
+    moe_overlap: bool = True  # shared experts run while the expert dispatch is in flight
+    two_batch_overlap: bool = False
+    numa_bind: str = "auto"  # auto | none: one rank per NUMA node, threads pinned
+    dist_timeout_s: float = 120.0  # a peer that never arrives or stops answering
+    # joining ranks started elsewhere (torchrun, Slurm, other hosts); None: spawn them here
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -89,6 +104,32 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         resolve_dtype(self.dtype, torch.device("cpu"))  # validates the name
+        _ = self.parallel_dims  # validates the layout
+        if self.numa_bind not in ("auto", "none"):
+            raise ValueError(f"numa_bind must be auto or none, got {self.numa_bind!r}")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
+            )
+
+    @property
+    def parallel_dims(self):
+        from moeserve.distributed.parallel_dims import ParallelDims
+
+        return ParallelDims(
+            self.tensor_parallel_size,
+            self.data_parallel_size,
+            self.pipeline_parallel_size,
+            self.enable_expert_parallel,
+        )
+
+    @property
+    def moe_options(self):
+        from moeserve.layers.moe_block import MoEOptions
+
+        return MoEOptions(self.moe_overlap, self.two_batch_overlap, self.num_redundant_experts)
 
     @property
     def torch_device(self) -> torch.device:

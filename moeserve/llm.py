@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 from moeserve.config import EngineConfig
 from moeserve.core import PromptType, RequestOutput, SamplingParams
-from moeserve.engine.engine import LLMEngine
+from moeserve.distributed.launch import start_engine
 
 Message = dict[str, str]
 
@@ -26,13 +26,20 @@ class LLM:
         max_model_len: int | None = None,
         kv_cache_memory_gb: float | None = None,
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         **kwargs,
     ) -> None:
+        """Any layout with more than one rank spawns the other ranks as processes on this
+        host (or joins a torchrun / Slurm world); this process is rank 0. Other EngineConfig
+        fields pass through ``kwargs``."""
         if model is None:
             from moeserve.demo import demo_model_path
 
             model = str(demo_model_path())
-        self.engine = LLMEngine(
+        self.engine = start_engine(
             EngineConfig(
                 model=str(model),
                 dtype=dtype,
@@ -40,10 +47,20 @@ class LLM:
                 max_model_len=max_model_len,
                 kv_cache_memory_gb=kv_cache_memory_gb,
                 enable_prefix_caching=enable_prefix_caching,
+                tensor_parallel_size=tensor_parallel_size,
+                data_parallel_size=data_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
                 **kwargs,
             )
         )
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a multi-process engine (also done at interpreter exit)."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -9,6 +9,7 @@ step():  batch = scheduler.schedule()
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.core import PromptType, RequestOutput, SamplingParams, Sequence
+from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.model_runner import ModelRunner, SeqStepOutput
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -29,21 +31,41 @@ _GIB = 1 << 30
 _DEFAULT_KV_CAP_GB = 4.0
 
 
+def resident_bytes() -> int:
+    """This process's resident set size (Linux; 0 where unknown)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """One DP replica's engine. On one process it is the whole engine; in an engine group
+    (``moeserve/distributed/engine_group.py``) every rank runs one, in step with the others."""
+
+    def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
         self.config = config
+        self.groups = groups = groups or ParallelGroups.single()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = config.torch_device, config.torch_dtype
         t0 = time.perf_counter()
+        rss0 = resident_bytes()
         self.model, self.model_config, self.load_report = load_model(
             config.model,
             self.dtype,
             self.device,
             max_positions=None,
             load_mtp=config.load_mtp,
-            progress=config.progress,
+            progress=config.progress and groups.rank == 0,
+            groups=groups,
+            moe_options=config.moe_options,
         )
+        self.load_rss_bytes = resident_bytes() - rss0  # what loading kept resident
+        # an idle replica must still join the expert all-to-alls of a step
+        dims = groups.dims
+        self.run_empty_when_idle = dims.enable_expert_parallel and dims.dp > 1
         mc = self.model_config
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
         if self.max_model_len > mc.max_position_embeddings:
@@ -86,7 +108,7 @@ class LLMEngine:
                 max_waiting=config.max_waiting_requests,
             )
         )
-        self.runner = ModelRunner(self.model, self.kv_pool.caches, bs, self.device)
+        self.runner = ModelRunner(self.model, self.kv_pool.caches, bs, self.device, groups)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, %d KV blocks (%.2f GiB), max_model_len %d",
@@ -106,15 +128,26 @@ class LLMEngine:
     ) -> None:
         """Queue a request (text or token ids). Raises ValueError for a prompt we cannot run."""
         params = params or SamplingParams()
+        prompt_text, prompt_ids = self.tokenize(prompt)
+        self.validate_prompt(prompt_ids, params)
+        self.add_tokenized(request_id, prompt_ids, params, prompt_text)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt given as text or as token ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: pass token ids, not text")
-            prompt_text: str | None = prompt
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_text = None
-            prompt_ids = [int(t) for t in prompt]
-        self.validate_prompt(prompt_ids, params)
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def add_tokenized(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_text: str | None = None,
+    ) -> None:
+        """Queue a prompt already checked by :meth:`validate_prompt`."""
         seqs = [
             Sequence(
                 request_id=request_id,
@@ -163,6 +196,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch is None:
+            if self.run_empty_when_idle:
+                self.runner.run_empty()
             return []
         results: list[SeqStepOutput] = self.runner.run(batch)
         self.outputs.record_prompt_logprobs(batch, results)

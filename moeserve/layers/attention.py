@@ -2,6 +2,10 @@
 
 Shape legend: T tokens, H query heads, G kv heads, Hd head dim, L context length,
 B decode sequences. Cache of one layer: ``[num_slots, 2, G, Hd]`` (k then v).
+
+Tensor parallelism splits the query heads over ``tp`` and the KV heads with them when they
+divide by ``tp``; with fewer KV heads than ranks, each rank keeps the one KV head its query
+heads use (replicated over ``tp / G`` ranks). ``o_proj`` is split by input columns.
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.distributed.groups import Axis
 from moeserve.layers.attention_meta import AttentionMetadata, causal_bias
-from moeserve.layers.linear import Linear, copy_into
+from moeserve.layers.linear import Linear, RowParallelLinear, copy_into
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig
@@ -19,16 +24,32 @@ from moeserve.models.weights import WeightSpec
 
 
 class GQAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype=torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        dtype=torch.float32,
+        tp: Axis | None = None,
+    ) -> None:
         super().__init__()
         c = config
-        self.H, self.G, self.Hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        tp = tp or Axis.single("tp")
+        H, G, self.Hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        if H % tp.size or (G % tp.size and tp.size % G):
+            raise ValueError(
+                f"{H} query / {G} KV heads cannot be split over tensor-parallel size {tp.size}"
+            )
+        self.H = H // tp.size
+        self.G = max(1, G // tp.size)
+        # first KV head of this rank in the checkpoint's numbering
+        self.kv_head0 = tp.rank * self.G if G >= tp.size else tp.rank // (tp.size // G)
+        self.full_H, self.full_G, self.tp = H, G, tp
         D = c.hidden_size
         self.q_size, self.kv_size = self.H * self.Hd, self.G * self.Hd
         self.qkv_proj = Linear(
             D, self.q_size + 2 * self.kv_size, bias=c.attention_bias, dtype=dtype
         )
-        self.o_proj = Linear(self.q_size, D, dtype=dtype)
+        self.o_proj = RowParallelLinear(H * self.Hd, D, tp, dtype=dtype)
         self.q_norm = RMSNorm(self.Hd, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(self.Hd, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.rotary = rotary  # shared by all layers
@@ -37,14 +58,25 @@ class GQAttention(nn.Module):
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        d = w.shape[1]
-        parts = {"q_proj": (0, self.q_size), "k_proj": (self.q_size, self.kv_size)}
-        parts["v_proj"] = (self.q_size + self.kv_size, self.kv_size)
+        d, Hd = w.shape[1], self.Hd
+        q_rows = (self.tp.rank * self.q_size, self.q_size)
+        kv_rows = (self.kv_head0 * Hd, self.kv_size)
+        # name: (offset in the fused local weight, full rows in the checkpoint, rows to read)
+        parts = {
+            "q_proj": (0, self.full_H * Hd, q_rows),
+            "k_proj": (self.q_size, self.full_G * Hd, kv_rows),
+            "v_proj": (self.q_size + self.kv_size, self.full_G * Hd, kv_rows),
+        }
         specs: dict[str, WeightSpec] = {}
-        for name, (off, n) in parts.items():
-            specs[f"{prefix}.{name}.weight"] = WeightSpec((n, d), copy_into(w[off : off + n]))
+        for name, (off, full, (start, n)) in parts.items():
+            shard = (0, start, n) if n != full else None
+            specs[f"{prefix}.{name}.weight"] = WeightSpec(
+                (full, d), copy_into(w[off : off + n]), shard
+            )
             if b is not None:
-                specs[f"{prefix}.{name}.bias"] = WeightSpec((n,), copy_into(b[off : off + n]))
+                specs[f"{prefix}.{name}.bias"] = WeightSpec(
+                    (full,), copy_into(b[off : off + n]), shard
+                )
         specs.update(self.o_proj.weight_specs(f"{prefix}.o_proj"))
         for name in ("q_norm", "k_norm"):
             norm = getattr(self, name)

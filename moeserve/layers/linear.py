@@ -1,7 +1,13 @@
-"""Plain linear and gated-MLP layers with ``[out, in]`` weights (the fast ``F.linear`` layout).
+"""Linear and gated-MLP layers with ``[out, in]`` weights (the fast ``F.linear`` layout), plain
+and tensor-parallel.
 
 Each layer owns its weight specs: ``weight_specs(prefix)`` maps checkpoint names to the
-parameter they fill. Tensor parallelism will subclass these with sharding weight loaders.
+parameter they fill, and a sharded layer's spec names the range of the checkpoint tensor this
+rank reads (``WeightSpec.shard``), so a rank never loads more than its slice. A tensor-parallel
+layer's one collective sits in its ``forward``:
+
+    ColumnParallelLinear  W split by output rows; the output stays split   (no collective)
+    RowParallelLinear     W split by input columns; partial sums added     (all-reduce over tp)
 """
 
 from __future__ import annotations
@@ -10,24 +16,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.distributed.groups import Axis
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.linear import linear
 
+_SINGLE = Axis.single("tp")
+
 
 def copy_into(param: torch.Tensor):
-    """A spec loader that copies the checkpoint tensor into ``param`` (shapes already checked)."""
+    """A spec loader that copies the checkpoint tensor (or this rank's slice of it) into
+    ``param``. A slice shorter than ``param`` along dim 0 (the last shard of a padded vocab)
+    fills the leading rows and zeroes the rest."""
 
     def load(t: torch.Tensor) -> None:
-        param.copy_(t)
+        if t.shape == param.shape:
+            param.copy_(t)
+        else:
+            param[: t.shape[0]].copy_(t)
+            param[t.shape[0] :].zero_()
 
     return load
 
 
+def split_size(total: int, tp: Axis, what: str) -> int:
+    if total % tp.size:
+        raise ValueError(
+            f"{what} of size {total} does not divide by tensor-parallel size {tp.size}"
+        )
+    return total // tp.size
+
+
+def shard_spec(
+    full_shape: tuple[int, ...], dst: torch.Tensor, dim: int, index: int, length: int
+) -> WeightSpec:
+    """Read ``[index * length, (index + 1) * length)`` of dim ``dim`` into ``dst``."""
+    shard = (dim, index * length, length) if length != full_shape[dim] else None
+    return WeightSpec(tuple(full_shape), copy_into(dst), shard)
+
+
 class Linear(nn.Module):
+    """Replicated: every rank holds the whole weight."""
+
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32
     ) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
         )
@@ -47,14 +81,83 @@ class Linear(nn.Module):
         return specs
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up are fused into one ``[2F, D]`` weight."""
+class ColumnParallelLinear(Linear):
+    """Output features split over ``tp``: rank r computes outputs ``[r * n, (r + 1) * n)``."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype=torch.float32) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: Axis = _SINGLE,
+        bias: bool = False,
+        dtype=torch.float32,
+    ) -> None:
+        super().__init__(in_features, split_size(out_features, tp, "output"), bias, dtype)
+        self.tp, self.full_out = tp, out_features
+
+    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
+        n, r = self.out_features, self.tp.rank
+        specs = {
+            f"{prefix}.weight": shard_spec((self.full_out, self.in_features), self.weight, 0, r, n)
+        }
+        if self.bias is not None:
+            specs[f"{prefix}.bias"] = shard_spec((self.full_out,), self.bias, 0, r, n)
+        return specs
+
+
+class RowParallelLinear(Linear):
+    """Input features split over ``tp``; the partial products are summed over ``tp``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: Axis = _SINGLE,
+        bias: bool = False,
+        dtype=torch.float32,
+        reduce: bool = True,
+    ) -> None:
+        super().__init__(split_size(in_features, tp, "input"), out_features, bias, dtype)
+        self.tp, self.full_in, self.reduce = tp, in_features, reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight)
+        if self.reduce:
+            self.tp.all_reduce(y)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
+        k, r = self.in_features, self.tp.rank
+        specs = {
+            f"{prefix}.weight": shard_spec((self.out_features, self.full_in), self.weight, 1, r, k)
+        }
+        if self.bias is not None:
+            specs[f"{prefix}.bias"] = WeightSpec(tuple(self.bias.shape), copy_into(self.bias))
+        return specs
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up are fused into one ``[2F, D]`` weight.
+
+    Tensor-parallel over ``tp``: each rank holds F / tp of gate and of up (a column split) and
+    the matching columns of down (a row split). With ``reduce=False`` the output is this rank's
+    partial sum, for a caller that adds it to other partial sums before one all-reduce.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        dtype=torch.float32,
+        tp: Axis = _SINGLE,
+        reduce: bool = True,
+    ) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, dtype=dtype)
-        self.down_proj = Linear(intermediate, hidden, dtype=dtype)
+        self.tp = tp
+        self.full_intermediate = intermediate
+        self.intermediate = split_size(intermediate, tp, "FFN")
+        self.gate_up_proj = Linear(hidden, 2 * self.intermediate, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp, dtype=dtype, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -62,9 +165,10 @@ class GatedMLP(nn.Module):
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         w = self.gate_up_proj.weight
-        f, d = self.intermediate, w.shape[1]
+        f, d, r = self.intermediate, w.shape[1], self.tp.rank
+        full = (self.full_intermediate, d)
         return {
-            f"{prefix}.gate_proj.weight": WeightSpec((f, d), copy_into(w[:f])),
-            f"{prefix}.up_proj.weight": WeightSpec((f, d), copy_into(w[f:])),
+            f"{prefix}.gate_proj.weight": shard_spec(full, w[:f], 0, r, f),
+            f"{prefix}.up_proj.weight": shard_spec(full, w[f:], 0, r, f),
             **self.down_proj.weight_specs(f"{prefix}.down_proj"),
         }

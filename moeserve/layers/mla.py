@@ -3,6 +3,10 @@
 Shape legend: T tokens, H heads, C kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim,
 V v_head_dim, L context length, B decode sequences, D model dim.
 
+Tensor parallelism splits the heads: each rank holds H / tp of them (``q_b_proj`` and
+``kv_b_proj`` split by output rows, ``o_proj`` by input columns, one all-reduce); the
+latent projections and the latent cache are replicated, as in vLLM and SGLang.
+
 The cache keeps, per token, ``[c_kv (C, normed) | k_pe (R, roped)]``: C + R numbers instead of
 H * (N + R + V). Two ways to attend over it, kept side by side:
 
@@ -19,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.distributed.groups import Axis
 from moeserve.layers.attention_meta import AttentionMetadata, causal_bias
-from moeserve.layers.linear import Linear
+from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, copy_into
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from moeserve.models.hf_config import ModelConfig
@@ -28,23 +33,36 @@ from moeserve.models.weights import WeightSpec
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype=torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        dtype=torch.float32,
+        tp: Axis | None = None,
+    ) -> None:
         super().__init__()
         c = config
-        self.H, self.C, self.R = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        tp = tp or Axis.single("tp")
+        H = c.num_attention_heads
+        if H % tp.size:
+            raise ValueError(f"{H} attention heads do not divide by tensor-parallel size {tp.size}")
+        self.H = H // tp.size  # heads on this rank
+        self.C, self.R = c.kv_lora_rank, c.qk_rope_head_dim
         self.N, self.V = c.qk_nope_head_dim, c.v_head_dim
         D = c.hidden_size
         if c.q_lora_rank:
             self.q_a_proj = Linear(D, c.q_lora_rank, bias=c.attention_bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
-            self.q_b_proj = Linear(c.q_lora_rank, self.H * (self.N + self.R), dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(
+                c.q_lora_rank, H * (self.N + self.R), tp, dtype=dtype
+            )
             self.q_proj = None
         else:
-            self.q_proj = Linear(D, self.H * (self.N + self.R), dtype=dtype)
+            self.q_proj = ColumnParallelLinear(D, H * (self.N + self.R), tp, dtype=dtype)
         self.kv_a_proj_with_mqa = Linear(D, self.C + self.R, bias=c.attention_bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.C, c.rms_norm_eps, dtype)
-        self.kv_b_proj = Linear(self.C, self.H * (self.N + self.V), dtype=dtype)
-        self.o_proj = Linear(self.H * self.V, D, bias=c.attention_bias, dtype=dtype)
+        self.kv_b_proj = ColumnParallelLinear(self.C, H * (self.N + self.V), tp, dtype=dtype)
+        self.o_proj = RowParallelLinear(H * self.V, D, tp, bias=c.attention_bias, dtype=dtype)
         self.rotary = rotary  # shared by all layers; rotates the R rope dims
         self.scale = yarn_softmax_scale(c.rope, self.N + self.R)
         self.kv_cache: torch.Tensor | None = None  # [num_slots, C + R], bound by the runner
@@ -66,8 +84,6 @@ class MLAttention(nn.Module):
         for name in names:
             mod = getattr(self, name)
             if isinstance(mod, RMSNorm):
-                from moeserve.layers.linear import copy_into
-
                 specs[f"{prefix}.{name}.weight"] = WeightSpec(
                     tuple(mod.weight.shape), copy_into(mod.weight)
                 )

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.distributed.groups import Axis
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import kernels
@@ -121,6 +122,33 @@ def moe_reference(
     return y_TD
 
 
+def experts_sorted(
+    x_RD: torch.Tensor,
+    weight_R: torch.Tensor,
+    slot_counts: list[int] | tuple[int, ...],
+    w13_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+) -> torch.Tensor:
+    """Rows already sorted by expert: the first ``slot_counts[0]`` rows go to expert 0, the
+    next ``slot_counts[1]`` to expert 1, and so on. Returns each row's expert output times its
+    ``weight_R``, in the same order. One GEMM pair per expert that has rows."""
+    if x_RD.shape[0] == 0:
+        return torch.empty_like(x_RD)
+    experts = [e for e, n in enumerate(slot_counts) if n]
+    counts = [slot_counts[e] for e in experts]
+    if kernels.moe_usable(x_RD, counts, w13_EFD, w2_EDF):
+        return kernels.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
+    y_RD = torch.empty_like(x_RD)
+    F2 = w13_EFD.shape[1]
+    start = 0
+    for e, n in zip(experts, counts):
+        end = start + n
+        gate, up = linear(x_RD[start:end], w13_EFD[e]).split(F2 // 2, dim=-1)
+        linear_into(F.silu(gate) * up, w2_EDF[e], out=y_RD[start:end])
+        start = end
+    return y_RD.mul_(weight_R.unsqueeze(1).to(y_RD.dtype))
+
+
 def moe_grouped(
     x_TD: torch.Tensor,
     w13_EFD: torch.Tensor,
@@ -134,111 +162,110 @@ def moe_grouped(
     Expert ids must lie in ``[0, E)``.
     """
     T, K = topk_ids_TK.shape
-    E, F2, _ = w13_EFD.shape
+    E = w13_EFD.shape[0]
     ids_R = topk_ids_TK.reshape(-1)
     if T == 1:
-        # decode at batch 1: K experts, one row each, already in order; no sorting needed
-        token_R = None
-        counts = [1] * K
-        experts = ids_R.tolist()
+        # decode at batch 1: K experts, one row each; distinct, so sorting them is free
+        ids = ids_R.tolist()
+        order = sorted(range(K), key=ids.__getitem__)
+        counts_E = [0] * E
+        for e in ids:
+            counts_E[e] += 1
         x_RD = x_TD.expand(K, x_TD.shape[1]).contiguous()
-        weight_R = topk_w_TK.reshape(-1)
-    else:
-        order_R = ids_R.argsort(stable=True)
-        counts_E = torch.bincount(ids_R, minlength=E).tolist()
-        experts = [e for e in range(E) if counts_E[e]]
-        counts = [counts_E[e] for e in experts]
-        token_R = order_R // K
-        x_RD = x_TD.index_select(0, token_R)
-        weight_R = topk_w_TK.reshape(-1)[order_R]
-    if kernels.moe_usable(x_RD, counts, w13_EFD, w2_EDF):
-        y_RD = kernels.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
-    else:
-        y_RD = torch.empty_like(x_RD)
-        start = 0
-        for e, n in zip(experts, counts):
-            end = start + n
-            gate, up = linear(x_RD[start:end], w13_EFD[e]).split(F2 // 2, dim=-1)
-            linear_into(F.silu(gate) * up, w2_EDF[e], out=y_RD[start:end])
-            start = end
-        y_RD.mul_(weight_R.unsqueeze(1).to(y_RD.dtype))
-    if token_R is None:
-        return y_RD.sum(dim=0, keepdim=True)
+        weight_R = topk_w_TK.reshape(-1)[order]
+        return experts_sorted(x_RD, weight_R, counts_E, w13_EFD, w2_EDF).sum(dim=0, keepdim=True)
+    order_R = ids_R.argsort(stable=True)
+    counts_E = torch.bincount(ids_R, minlength=E).tolist()
+    token_R = order_R // K
+    x_RD = x_TD.index_select(0, token_R)
+    weight_R = topk_w_TK.reshape(-1)[order_R]
+    y_RD = experts_sorted(x_RD, weight_R, counts_E, w13_EFD, w2_EDF)
     return torch.zeros_like(x_TD).index_add_(0, token_R, y_RD)
 
 
 class FusedExperts(nn.Module):
-    """The routed experts of one layer, stacked: ``w13_EFD [E, 2F, D]``, ``w2_EDF [E, D, F]``."""
+    """The routed experts this rank holds, stacked by local slot: ``w13_EFD [S, 2F, D]`` (gate
+    rows then up rows), ``w2_EDF [S, D, F]``.
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, dtype=torch.float32) -> None:
+    ``slot_experts[s]`` is the logical (checkpoint) expert in local slot s: all experts in
+    order on one process, this rank's share under expert parallelism (a logical expert may
+    fill several slots). Under tensor parallelism without EP, each slot holds F / tp of its
+    expert's FFN (``tp``): gate and up rows ``[r * F/tp, (r + 1) * F/tp)``, the same down
+    columns, and the layer's output is a partial sum.
+    """
+
+    def __init__(
+        self,
+        slot_experts: list[int],
+        hidden: int,
+        ffn: int,
+        dtype=torch.float32,
+        tp: Axis | None = None,
+    ) -> None:
         super().__init__()
-        self.num_experts, self.ffn = num_experts, ffn
+        self.tp = tp or Axis.single("tp")
+        if ffn % self.tp.size:
+            raise ValueError(f"expert FFN size {ffn} does not divide by tp={self.tp.size}")
+        self.slot_experts = list(slot_experts)
+        self.full_ffn, self.ffn = ffn, ffn // self.tp.size
+        S = len(self.slot_experts)
         self.w13_EFD = nn.Parameter(
-            torch.empty(num_experts, 2 * ffn, hidden, dtype=dtype), requires_grad=False
+            torch.empty(S, 2 * self.ffn, hidden, dtype=dtype), requires_grad=False
         )
         self.w2_EDF = nn.Parameter(
-            torch.empty(num_experts, hidden, ffn, dtype=dtype), requires_grad=False
+            torch.empty(S, hidden, self.ffn, dtype=dtype), requires_grad=False
         )
+
+    @property
+    def local_experts(self) -> frozenset[int]:
+        return frozenset(self.slot_experts)
 
     def forward(
         self, x_TD: torch.Tensor, topk_w_TK: torch.Tensor, topk_ids_TK: torch.Tensor
     ) -> torch.Tensor:
+        """All experts local, slot e = expert e."""
         return moe_grouped(x_TD, self.w13_EFD, self.w2_EDF, topk_w_TK, topk_ids_TK)
 
-    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
-        from moeserve.layers.linear import copy_into
+    def compute_sorted(
+        self, x_RD: torch.Tensor, weight_R: torch.Tensor, slot_counts: list[int] | tuple[int, ...]
+    ) -> torch.Tensor:
+        return experts_sorted(x_RD, weight_R, slot_counts, self.w13_EFD, self.w2_EDF)
 
-        f, d = self.ffn, self.w13_EFD.shape[2]
+    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
+        f, d, r = self.ffn, self.w13_EFD.shape[2], self.tp.rank
+        slots: dict[int, list[int]] = {}
+        for s, e in enumerate(self.slot_experts):
+            slots.setdefault(e, []).append(s)
         specs: dict[str, WeightSpec] = {}
-        for e in range(self.num_experts):
+        for e, ss in slots.items():
             p = f"{prefix}.{e}"
-            specs[f"{p}.gate_proj.weight"] = WeightSpec((f, d), copy_into(self.w13_EFD[e, :f]))
-            specs[f"{p}.up_proj.weight"] = WeightSpec((f, d), copy_into(self.w13_EFD[e, f:]))
-            specs[f"{p}.down_proj.weight"] = WeightSpec((d, f), copy_into(self.w2_EDF[e]))
+            specs[f"{p}.gate_proj.weight"] = _slots_spec(
+                (self.full_ffn, d), self.w13_EFD, ss, slice(0, f), 0, r, f
+            )
+            specs[f"{p}.up_proj.weight"] = _slots_spec(
+                (self.full_ffn, d), self.w13_EFD, ss, slice(f, 2 * f), 0, r, f
+            )
+            specs[f"{p}.down_proj.weight"] = _slots_spec(
+                (d, self.full_ffn), self.w2_EDF, ss, slice(None), 1, r, f
+            )
         return specs
 
 
-class MoEBlock(nn.Module):
-    """Router + routed experts + optional shared expert (DeepSeek) / gated shared expert (Qwen2).
+def _slots_spec(
+    full: tuple[int, int],
+    w: torch.Tensor,
+    slots: list[int],
+    rows: slice,
+    dim: int,
+    index: int,
+    length: int,
+) -> WeightSpec:
+    """Read ``length`` entries of ``dim`` (shard ``index``) into ``w[s, rows]`` of every slot
+    in ``slots``."""
 
-    The shared expert runs on the same tokens and is added to the routed output.
-    """
+    def load(t: torch.Tensor) -> None:
+        for s in slots:
+            w[s, rows].copy_(t)
 
-    def __init__(self, config: ModelConfig, dtype=torch.float32) -> None:
-        super().__init__()
-        from moeserve.layers.linear import GatedMLP, Linear
-
-        self.gate = Router(config)
-        self.experts = FusedExperts(
-            config.num_experts, config.hidden_size, config.moe_intermediate_size, dtype
-        )
-        self.shared = (
-            GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, dtype)
-            if config.shared_expert_intermediate_size
-            else None
-        )
-        self.shared_gate = (
-            Linear(config.hidden_size, 1, dtype=dtype)
-            if (self.shared is not None and config.shared_expert_gate)
-            else None
-        )
-        self.shared_name = "shared_expert" if config.shared_expert_gate else "shared_experts"
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        topk_w_TK, topk_ids_TK = self.gate(x_TD)
-        y_TD = self.experts(x_TD, topk_w_TK, topk_ids_TK)
-        if self.shared is not None:
-            s_TD = self.shared(x_TD)
-            if self.shared_gate is not None:
-                s_TD = torch.sigmoid(self.shared_gate(x_TD)) * s_TD
-            y_TD = y_TD + s_TD
-        return y_TD
-
-    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
-        specs = {**self.gate.weight_specs(f"{prefix}.gate")}
-        specs.update(self.experts.weight_specs(f"{prefix}.experts"))
-        if self.shared is not None:
-            specs.update(self.shared.weight_specs(f"{prefix}.{self.shared_name}"))
-        if self.shared_gate is not None:
-            specs.update(self.shared_gate.weight_specs(f"{prefix}.shared_expert_gate"))
-        return specs
+    shard = (dim, index * length, length) if length != full[dim] else None
+    return WeightSpec(full, load, shard)

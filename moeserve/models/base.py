@@ -3,6 +3,10 @@
 A model sees token ids, positions and the step's :class:`AttentionMetadata`; it never sees
 requests. It declares its checkpoint tensors through ``weight_specs()`` and its per-token KV
 footprint through ``kv_cache_spec()``; the runner binds one cache tensor per layer.
+
+Under a parallel layout (:class:`ParallelGroups`) each rank builds only its part: its TP shard
+of every layer, its experts, and (with pipeline parallelism) only its stage's layers; the
+checkpoint tensors of other ranks' parts are skipped without being read.
 """
 
 from __future__ import annotations
@@ -12,15 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moeserve.distributed.groups import Axis, ParallelGroups
 from moeserve.layers.attention_meta import AttentionMetadata
-from moeserve.layers.linear import GatedMLP, Linear, copy_into
-from moeserve.layers.moe import MoEBlock
+from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from moeserve.layers.linear import GatedMLP, copy_into
+from moeserve.layers.moe_block import MoEBlock, MoEOptions
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import kernels
-from moeserve.ops.linear import linear
 
 
 @dataclass(frozen=True)
@@ -40,15 +45,24 @@ class KVCacheSpec:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, attn: nn.Module, dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        attn: nn.Module,
+        dtype,
+        groups: ParallelGroups | None = None,
+        moe_options: MoEOptions | None = None,
+    ) -> None:
         super().__init__()
+        groups = groups or ParallelGroups.single()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if config.is_moe_layer(layer_idx):
-            self.mlp: nn.Module = MoEBlock(config, dtype)
+            self.mlp: nn.Module = MoEBlock(config, dtype, groups, moe_options)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, groups.tp)
 
     def forward(
         self, positions_T: torch.Tensor, h_TD: torch.Tensor, meta: AttentionMetadata
@@ -70,62 +84,98 @@ class DecoderLayer(nn.Module):
 
 
 class MoECausalLM(nn.Module):
-    """embed -> decoder layers -> final norm; ``compute_logits`` applies the LM head."""
+    """embed -> decoder layers -> final norm; ``compute_logits`` applies the LM head.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+    With pipeline parallelism the stage holds layers ``[layer_start, layer_end)``; the first
+    stage embeds, the last applies the norm and the head. ``forward`` of a later stage takes
+    the previous stage's hidden states instead of token ids.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_positions: int,
+        groups: ParallelGroups | None = None,
+        moe_options: MoEOptions | None = None,
+    ) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
+        self.groups = groups = groups or ParallelGroups.single()
         D, V = config.hidden_size, config.vocab_size
-        self.embed_tokens = nn.Parameter(torch.empty(V, D, dtype=dtype), requires_grad=False)
+        self.layer_start, self.layer_end = stage_layers(
+            config.num_hidden_layers, groups.dims.pp, groups.coords.pp_rank
+        )
+        tp = groups.tp
+        first, last = groups.is_first_stage, groups.is_last_stage
+        tied = config.tie_word_embeddings
+        self.embed_tokens = (
+            VocabParallelEmbedding(V, D, tp, dtype) if (first or (last and tied)) else None
+        )
         self.rotary = self.make_rotary(max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.make_attention(self.rotary), dtype)
-            for i in range(config.num_hidden_layers)
+            DecoderLayer(
+                config, i, self.make_attention(self.rotary, tp), dtype, groups, moe_options
+            )
+            for i in range(self.layer_start, self.layer_end)
         )
-        self.norm = RMSNorm(D, config.rms_norm_eps, dtype)
-        self.lm_head = None if config.tie_word_embeddings else Linear(D, V, dtype=dtype)
+        self.norm = RMSNorm(D, config.rms_norm_eps, dtype) if last else None
+        self.lm_head = (
+            ParallelLMHead(V, D, tp, dtype, self.embed_tokens.weight if tied else None)
+            if last
+            else None
+        )
+
+    @property
+    def tp(self) -> Axis:
+        return self.groups.tp
 
     def make_rotary(self, max_positions: int) -> RotaryEmbedding:
         raise NotImplementedError
 
-    def make_attention(self, rotary: RotaryEmbedding) -> nn.Module:
+    def make_attention(self, rotary: RotaryEmbedding, tp: Axis) -> nn.Module:
         raise NotImplementedError
 
     def kv_cache_spec(self) -> KVCacheSpec:
         raise NotImplementedError
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        """Give each layer its cache tensor ``[num_slots, *token_shape]``."""
+        """Give each layer of this stage its cache tensor ``[num_slots, *token_shape]``."""
         if len(caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} layer caches, got {len(caches)}")
         for layer, cache in zip(self.layers, caches):
             layer.self_attn.kv_cache = cache
 
     def forward(
-        self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        meta: AttentionMetadata,
+        h_TD: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, ``[T, D]``."""
-        h_TD = self.embed_tokens[input_ids_T]
+        """Hidden states ``[T, D]``: after the final norm on the last stage, else the input of
+        the next stage. A later stage passes the previous stage's output as ``h_TD``."""
+        if h_TD is None:
+            h_TD = self.embed_tokens(input_ids_T)
         for layer in self.layers:
             h_TD = layer(positions_T, h_TD, meta)
-        return self.norm(h_TD)
+        return self.norm(h_TD) if self.norm is not None else h_TD
 
     def compute_logits(self, h_ND: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return linear(h_ND, w).float()
+        """fp32 logits ``[N, V]`` (collective over tp); last stage only."""
+        return self.lm_head(h_ND)
 
     def weight_specs(self) -> dict[str, WeightSpec]:
-        specs = {
-            "model.embed_tokens.weight": WeightSpec(
-                tuple(self.embed_tokens.shape), copy_into(self.embed_tokens)
-            ),
-            "model.norm.weight": WeightSpec(
+        specs: dict[str, WeightSpec] = {}
+        if self.embed_tokens is not None:
+            specs.update(self.embed_tokens.weight_specs("model.embed_tokens.weight"))
+        if self.norm is not None:
+            specs["model.norm.weight"] = WeightSpec(
                 tuple(self.norm.weight.shape), copy_into(self.norm.weight)
-            ),
-        }
+            )
         if self.lm_head is not None:
-            specs.update(self.lm_head.weight_specs("lm_head"))
-        for i, layer in enumerate(self.layers):
+            specs.update(self.lm_head.weight_specs("lm_head.weight"))
+        for i, layer in zip(range(self.layer_start, self.layer_end), self.layers):
             specs.update(layer.weight_specs(f"model.layers.{i}"))
         return specs
 
@@ -133,13 +183,42 @@ class MoECausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
-        if prefers_kn_layout(self.embed_tokens.device, self.dtype):
+        if prefers_kn_layout(next(self.parameters()).device, self.dtype):
             relayout_kn(self)
 
-    @staticmethod
-    def ignored_checkpoint_tensor(name: str) -> bool:
-        """Tensors some checkpoints carry that no model needs."""
-        return name.endswith("rotary_emb.inv_freq")
+    def ignored_checkpoint_tensor(self, name: str) -> bool:
+        """Tensors some checkpoints carry that no model needs, and those other ranks own:
+        other stages' layers, embedding/head/norm off their stage, other ranks' experts."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens is None
+        if name in ("model.norm.weight", "lm_head.weight"):
+            return self.norm is None
+        if not name.startswith("model.layers."):
+            return False
+        parts = name.split(".")
+        idx = int(parts[2])
+        if idx >= self.config.num_hidden_layers:
+            return False  # MTP layers: the subclass decides
+        if not self.layer_start <= idx < self.layer_end:
+            return True
+        if len(parts) > 6 and parts[3] == "mlp" and parts[4] == "experts":
+            mlp = self.layers[idx - self.layer_start].mlp
+            if isinstance(mlp, MoEBlock) and parts[5].isdigit():
+                e = int(parts[5])
+                return e < self.config.num_experts and not mlp.owns_expert(e)
+        return False
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
+    """Layers ``[start, end)`` of stage ``pp_rank``: as even as possible, earlier stages take
+    the remainder (the last stage also runs the LM head)."""
+    if pp > num_layers:
+        raise ValueError(f"pp={pp} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
 
 
 def prefers_kn_layout(device: torch.device, dtype: torch.dtype) -> bool:

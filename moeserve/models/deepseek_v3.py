@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.distributed.groups import Axis, ParallelGroups
 from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.linear import Linear, copy_into
 from moeserve.layers.mla import MLAttention
+from moeserve.layers.moe_block import MoEOptions
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.base import DecoderLayer, KVCacheSpec, MoECausalLM
@@ -69,9 +71,13 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
         load_mtp: bool = True,
+        groups: ParallelGroups | None = None,
+        moe_options: MoEOptions | None = None,
     ) -> None:
         max_positions = max_positions or config.max_position_embeddings
-        super().__init__(config, dtype, max_positions)
+        super().__init__(config, dtype, max_positions, groups, moe_options)
+        if self.groups.dims.world_size > 1:
+            load_mtp = False  # the MTP layer is not sharded yet: kept on one-process runs only
         n_mtp = config.num_nextn_predict_layers if load_mtp else 0
         self.mtp_layers = nn.ModuleList(
             MTPLayer(config, config.num_hidden_layers + i, self.rotary, dtype) for i in range(n_mtp)
@@ -80,12 +86,12 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     def make_rotary(self, max_positions: int) -> RotaryEmbedding:
         return RotaryEmbedding(self.config.rope, self.config.qk_rope_head_dim, max_positions)
 
-    def make_attention(self, rotary: RotaryEmbedding) -> nn.Module:
-        return MLAttention(self.config, rotary, self.dtype)
+    def make_attention(self, rotary: RotaryEmbedding, tp: Axis) -> nn.Module:
+        return MLAttention(self.config, rotary, self.dtype, tp)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config
-        return KVCacheSpec(c.num_hidden_layers, (c.kv_lora_rank + c.qk_rope_head_dim,), self.dtype)
+        return KVCacheSpec(len(self.layers), (c.kv_lora_rank + c.qk_rope_head_dim,), self.dtype)
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         specs = super().weight_specs()

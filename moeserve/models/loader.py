@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moeserve.distributed.groups import ParallelGroups
+from moeserve.distributed.parallel_dims import ParallelDims
+from moeserve.layers.moe_block import MoEOptions
 from moeserve.models.base import MoECausalLM
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.registry import model_class
@@ -42,8 +45,13 @@ def load_model(
     max_positions: int | None = None,
     load_mtp: bool = True,
     progress: bool = True,
+    groups: ParallelGroups | None = None,
+    moe_options: MoEOptions | None = None,
 ) -> tuple[MoECausalLM, ModelConfig, LoadReport]:
+    """Build this rank's part of the model and read only its tensors (or their slices)."""
     config = ModelConfig.from_dir(model_dir)
+    groups = groups or ParallelGroups.single()
+    check_layout(config, groups.dims, moe_options or MoEOptions())
     if load_mtp and config.num_nextn_predict_layers:
         first_mtp = f"model.layers.{config.num_hidden_layers}."
         if not any(n.startswith(first_mtp) for n in checkpoint_tensor_names(model_dir)):
@@ -54,7 +62,14 @@ def load_model(
             load_mtp = False
     cls = model_class(config.architecture)
     with torch.device(device):
-        model = cls(config, dtype=dtype, max_positions=max_positions, load_mtp=load_mtp)
+        model = cls(
+            config,
+            dtype=dtype,
+            max_positions=max_positions,
+            load_mtp=load_mtp,
+            groups=groups,
+            moe_options=moe_options,
+        )
     report = load_checkpoint(
         model_dir,
         model.weight_specs(),
@@ -66,3 +81,22 @@ def load_model(
     model.process_weights_after_loading()
     model.eval()
     return model, config, report
+
+
+def check_layout(config: ModelConfig, dims: ParallelDims, options: MoEOptions) -> None:
+    """Raise ValueError (naming the size) when the model cannot be split as ``dims`` says."""
+    L = config.num_hidden_layers
+    ffn = [config.intermediate_size] if not all(config.is_moe_layer(i) for i in range(L)) else []
+    if config.shared_expert_intermediate_size and not dims.enable_expert_parallel:
+        ffn.append(config.shared_expert_intermediate_size)
+    if config.num_experts and not dims.enable_expert_parallel:
+        ffn.append(config.moe_intermediate_size)
+    dims.check_model(
+        num_heads=config.num_attention_heads,
+        # MLA keeps one latent per token, replicated over tp: only query heads are split
+        num_kv_heads=config.num_attention_heads if config.is_mla else config.num_key_value_heads,
+        num_experts=config.num_experts,
+        num_layers=config.num_hidden_layers,
+        ffn_sizes=tuple(ffn),
+        num_redundant_experts=options.num_redundant_experts,
+    )

@@ -49,12 +49,26 @@ class WeightSpec:
 
     shape: tuple[int, ...]
     load: Callable[[torch.Tensor], None]
+    # (dim, start, length): read only this range of the tensor (a tensor-parallel shard); the
+    # range is clipped to the tensor, so the last shard of a padded dimension may come shorter
+    shard: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.shape)
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ValueError(f"WeightSpec shape must be non-negative ints, got {self.shape!r}")
         object.__setattr__(self, "shape", shape)
+        if self.shard is not None:
+            dim, start, length = self.shard
+            if not (0 <= dim < len(shape) and 0 <= start and length > 0):
+                raise ValueError(f"WeightSpec shard {self.shard} does not fit shape {shape}")
+
+    def narrowed(self, full: torch.Tensor) -> torch.Tensor:
+        """The part of a full checkpoint tensor this spec reads."""
+        if self.shard is None:
+            return full
+        dim, start, length = self.shard
+        return full.narrow(dim, start, max(0, min(length, full.shape[dim] - start)))
 
 
 @dataclass(frozen=True)
@@ -138,18 +152,21 @@ def load_checkpoint(
     with _OpenFiles() as files, torch.no_grad():
         bar = tqdm(order, desc="loading weights", unit="tensor", disable=not progress)
         for name, scale_name in bar:
-            entry = entries[name]
-            tensor = files.tensor(entry.file, name)
-            num_bytes += entry.nbytes
+            entry, spec = entries[name], specs[name]
             if scale_name is not None:
+                # FP8 blocks straddle shard edges: dequantize the whole tensor, then cut
                 assert fp8 is not None
+                tensor = files.tensor(entry.file, name)
                 scale = files.tensor(entries[scale_name].file, scale_name)
-                num_bytes += entries[scale_name].nbytes
+                num_bytes += entry.nbytes + entries[scale_name].nbytes
                 tensor = dequantize_fp8_block(tensor, scale, fp8.block_n, fp8.block_k, dtype)
+                tensor = spec.narrowed(tensor)
                 del scale
             else:
+                tensor = files.tensor(entry.file, name, spec.shard)
+                num_bytes += tensor.numel() * ITEMSIZE[entry.dtype]
                 tensor = tensor.to(dtype)
-            specs[name].load(tensor)
+            spec.load(tensor)
             del tensor
     return LoadReport(len(order), num_bytes, skipped, time.perf_counter() - start)
 
@@ -295,13 +312,22 @@ class _OpenFiles(ExitStack):
         super().__init__()
         self._handles: dict[Path, Any] = {}
 
-    def tensor(self, path: Path, name: str) -> torch.Tensor:
+    def tensor(
+        self, path: Path, name: str, shard: tuple[int, int, int] | None = None
+    ) -> torch.Tensor:
+        """The whole tensor, or only ``shard = (dim, start, length)`` of it (clipped)."""
         try:
             handle = self._handles.get(path)
             if handle is None:
                 handle = self.enter_context(safe_open(str(path), framework="pt"))
                 self._handles[path] = handle
-            return handle.get_tensor(name)
+            if shard is None:
+                return handle.get_tensor(name)
+            dim, start, length = shard
+            sl = handle.get_slice(name)
+            stop = min(start + length, sl.get_shape()[dim])
+            index = (slice(None),) * dim + (slice(start, max(start, stop)),)
+            return sl[index]
         except SafetensorError as e:
             raise CheckpointError(_damaged(path, e)) from None
         except OSError as e:

@@ -129,7 +129,7 @@ def moe_usable(
 ) -> bool:
     """Whether :func:`moe_experts` runs the kernel for these operands."""
     return (
-        max(counts) <= MAX_ROWS
+        0 < max(counts, default=0) <= MAX_ROWS
         and x_RD.dtype == w13_EFD.dtype == w2_EDF.dtype == torch.float32
         and x_RD.device.type == "cpu"
         and x_RD.is_contiguous()

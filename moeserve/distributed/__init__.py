@@ -1,0 +1,1 @@
+"""Parallel layout, process groups, launch and expert dispatch."""

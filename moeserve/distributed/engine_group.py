@@ -1,0 +1,198 @@
+"""An engine spread over many ranks, driven by world rank 0 in lock step.
+
+Every rank runs one :class:`LLMEngine` for its DP replica. Each step::
+
+    rank 0    msg = {cmd: step, add: [...], abort: [...]}  -- broadcast to the world (JSON)
+    all       apply the adds meant for their replica and the aborts; engine.step()
+              (a replica with nothing to run joins the expert all-to-alls with an empty batch)
+    all       replica leaders' RequestOutputs are gathered to every rank (JSON); rank 0
+              returns them to its caller
+
+Rank 0 assigns each request to the replica with the fewest unfinished requests, so every DP
+replica owns its requests and KV cache. ``{cmd: stop}`` ends the workers' loops.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+
+import torch.distributed as dist
+
+from moeserve.config import EngineConfig
+from moeserve.core import PromptType, RequestOutput, SamplingParams
+from moeserve.distributed.groups import ParallelGroups
+from moeserve.distributed.objects import all_gather_json, broadcast_json
+from moeserve.engine import codec
+from moeserve.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+STEP, STOP, INFO = "step", "stop", "info"
+
+
+def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[RequestOutput]:
+    """Apply one control message to this rank's replica and take one engine step."""
+    for add in msg["add"]:
+        if add["replica"] == groups.coords.dp_rank:
+            params = codec.params_from_json(add["params"])
+            engine.add_tokenized(add["id"], add["prompt_ids"], params, add["prompt"])
+    for request_id in msg["abort"]:
+        engine.abort_request(request_id)
+    return engine.step()
+
+
+def _is_replica_leader(groups: ParallelGroups) -> bool:
+    return groups.replica.rank == groups.replica_leader_index
+
+
+def exchange_outputs(groups: ParallelGroups, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Every replica leader's outputs of this step, on every rank."""
+    mine = [codec.output_to_json(o) for o in outputs] if _is_replica_leader(groups) else []
+    parts = all_gather_json(mine, groups.world)
+    return [codec.output_from_json(o) for part in parts for o in part]
+
+
+def rank_info(engine: LLMEngine, groups: ParallelGroups) -> dict:
+    """What this rank holds: its coordinates, weights and KV cache, and what loading cost."""
+    c = groups.coords
+    return {
+        "rank": c.rank,
+        "tp_rank": c.tp_rank,
+        "dp_rank": c.dp_rank,
+        "pp_rank": c.pp_rank,
+        "ep_rank": c.ep_rank,
+        "layers": [engine.model.layer_start, engine.model.layer_end],
+        "weight_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
+        "checkpoint_bytes_read": engine.load_report.num_bytes,
+        "load_rss_bytes": engine.load_rss_bytes,
+        "kv_cache_bytes": engine.kv_pool.num_bytes,
+        "unfinished": engine.has_unfinished_requests(),
+    }
+
+
+def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
+    """A worker rank's loop: follow rank 0's messages until it says stop; at the stop its
+    KV cache must be consistent (an inconsistency fails the rank, and the driver sees it)."""
+    while True:
+        msg = broadcast_json(None, groups.world, 0)
+        if msg["cmd"] == STOP:
+            engine.scheduler.check_integrity()
+            return
+        if msg["cmd"] == INFO:
+            all_gather_json(rank_info(engine, groups), groups.world)
+            continue
+        exchange_outputs(groups, run_step(engine, groups, msg))
+
+
+class EngineGroup:
+    """Rank 0's handle on the group: the same request API as :class:`LLMEngine`."""
+
+    def __init__(self, engine: LLMEngine, groups: ParallelGroups, workers=None) -> None:
+        """``workers``: the ranks this process spawned (``launch.WorkerProcesses``), if any."""
+        if groups.rank != 0:
+            raise ValueError("EngineGroup runs on world rank 0; other ranks run serve_steps")
+        self.engine, self.groups = engine, groups
+        self.config: EngineConfig = engine.config
+        self.workers = workers
+        atexit.register(self.shutdown)
+        self._adds: list[dict] = []
+        self._aborts: list[str] = []
+        self._replica_of: dict[str, int] = {}  # unfinished request -> its DP replica
+        self._load = [0] * groups.dims.dp
+        self.closed = False
+
+    # what LLM and the CLI read from an engine
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+    ) -> None:
+        """Validate here, then queue for the least-loaded replica (sent with the next step)."""
+        params = params or SamplingParams()
+        if request_id in self._replica_of:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.engine.tokenize(prompt)
+        self.engine.validate_prompt(ids, params)
+        replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
+        self._adds.append(
+            {
+                "id": request_id,
+                "replica": replica,
+                "prompt": text,
+                "prompt_ids": ids,
+                "params": codec.params_to_json(params),
+            }
+        )
+        self._replica_of[request_id] = replica
+        self._load[replica] += 1
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id not in self._replica_of:
+            return
+        pending = [a for a in self._adds if a["id"] == request_id]
+        if pending:
+            self._adds.remove(pending[0])
+        else:
+            self._aborts.append(request_id)
+        self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._replica_of)
+
+    def step(self) -> list[RequestOutput]:
+        if self.closed:
+            raise RuntimeError("the engine group has been shut down")
+        msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts}
+        self._adds, self._aborts = [], []
+        try:
+            broadcast_json(msg, self.groups.world, 0)
+            outputs = exchange_outputs(self.groups, run_step(self.engine, self.groups, msg))
+        except Exception as e:
+            # the ranks are out of step (a peer died, or this rank failed): end the group
+            cause = self.workers.failure(wait_s=3.0) if self.workers is not None else None
+            self._close(kill=True)
+            raise RuntimeError(f"engine group stopped: {cause or e}") from e
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return outputs
+
+    def rank_info(self) -> list[dict]:
+        """:func:`rank_info` of every rank, in rank order."""
+        broadcast_json({"cmd": INFO}, self.groups.world, 0)
+        return all_gather_json(rank_info(self.engine, self.groups), self.groups.world)
+
+    def _forget(self, request_id: str) -> None:
+        replica = self._replica_of.pop(request_id, None)
+        if replica is not None:
+            self._load[replica] -= 1
+
+    def shutdown(self) -> None:
+        """Tell every worker to stop and wait for the spawned ones; idempotent."""
+        if self.closed:
+            return
+        try:
+            broadcast_json({"cmd": STOP}, self.groups.world, 0)
+        finally:
+            self._close(kill=False)
+
+    def _close(self, kill: bool) -> None:
+        self.closed = True
+        atexit.unregister(self.shutdown)
+        if self.workers is not None and kill:
+            self.workers.kill_all()
+        elif self.workers is not None:
+            self.workers.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,51 @@
+"""Entry point of a rank spawned by ``launch.WorkerProcesses``: ``python -m
+moeserve.distributed.worker '<json>'`` with the rank's LaunchSpec, EngineConfig and binding.
+
+The rank exits on its own when the process that spawned it disappears; its last error goes
+to ``$MOESERVE_ERROR_FILE`` so the driver can name it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+
+def _orphan_watch(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)  # the driver is gone: nobody will send a stop
+
+
+def main(argv: list[str]) -> int:
+    threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True).start()
+    try:
+        from moeserve.config import EngineConfig
+        from moeserve.distributed.launch import _join, _run_worker
+        from moeserve.distributed.launch_env import LaunchSpec
+        from moeserve.distributed.numa import RankBinding
+
+        payload = json.loads(argv[0])
+        spec = LaunchSpec(**payload["spec"])
+        config = EngineConfig(**payload["config"])
+        b = payload["binding"]
+        binding = RankBinding(b["local_rank"], b["numa_node"], tuple(b["cpus"]), b["num_threads"])
+        engine, groups = _join(spec, config, binding)
+        _run_worker(engine, groups)
+        return 0
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, then exit non-zero
+        path = os.environ.get("MOESERVE_ERROR_FILE")
+        if path:
+            with open(path, "w") as f:
+                f.write(f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

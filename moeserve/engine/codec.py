@@ -1,0 +1,110 @@
+"""Plain-JSON forms of the engine's messages, for links between processes.
+
+Ranks of an engine group (and, later, the API server and the engine) exchange requests and
+results as JSON: typed on both ends, nothing unpickled. Floats round-trip exactly (JSON keeps
+Python's shortest repr).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from moeserve.core import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, SamplingParams
+
+Json = dict[str, Any]
+
+
+def params_to_json(p: SamplingParams) -> Json:
+    out = dataclasses.asdict(p)
+    out["stop"], out["stop_token_ids"] = list(p.stop), list(p.stop_token_ids)
+    return out
+
+
+def params_from_json(d: Json) -> SamplingParams:
+    return SamplingParams(**d)
+
+
+def logprobs_to_json(entry: PositionLogprobs | None) -> list[list] | None:
+    if entry is None:
+        return None
+    return [[tok, lp.logprob, lp.rank, lp.decoded_token] for tok, lp in entry.items()]
+
+
+def logprobs_from_json(rows: list[list] | None) -> PositionLogprobs | None:
+    if rows is None:
+        return None
+    return {int(tok): Logprob(float(lp), int(rank), dec) for tok, lp, rank, dec in rows}
+
+
+def _logprob_list(entries: list | None, decode) -> list | None:
+    return None if entries is None else [decode(e) for e in entries]
+
+
+def output_to_json(o: RequestOutput) -> Json:
+    return {
+        "request_id": o.request_id,
+        "prompt": o.prompt,
+        "prompt_token_ids": o.prompt_token_ids,
+        "finished": o.finished,
+        "prompt_logprobs": _logprob_list(o.prompt_logprobs, logprobs_to_json),
+        "num_cached_tokens": o.num_cached_tokens,
+        "metrics": o.metrics,
+        "outputs": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "token_ids": c.token_ids,
+                "cumulative_logprob": c.cumulative_logprob,
+                "logprobs": _logprob_list(c.logprobs, logprobs_to_json),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in o.outputs
+        ],
+    }
+
+
+def output_from_json(d: Json) -> RequestOutput:
+    outputs = [
+        CompletionOutput(
+            index=c["index"],
+            text=c["text"],
+            token_ids=list(c["token_ids"]),
+            cumulative_logprob=c["cumulative_logprob"],
+            logprobs=_logprob_list(c["logprobs"], logprobs_from_json),
+            finish_reason=c["finish_reason"],
+            stop_reason=c["stop_reason"],
+        )
+        for c in d["outputs"]
+    ]
+    return RequestOutput(
+        request_id=d["request_id"],
+        prompt=d["prompt"],
+        prompt_token_ids=list(d["prompt_token_ids"]),
+        outputs=outputs,
+        finished=d["finished"],
+        prompt_logprobs=_logprob_list(d["prompt_logprobs"], logprobs_from_json),
+        num_cached_tokens=d["num_cached_tokens"],
+        metrics=dict(d["metrics"]),
+    )
+
+
+def step_output_to_json(o) -> Json:
+    return {
+        "token_id": o.token_id,
+        "logprobs": logprobs_to_json(o.logprobs),
+        "prompt_logprobs": _logprob_list(o.prompt_logprobs, logprobs_to_json),
+        "first_position": o.first_position,
+    }
+
+
+def step_output_from_json(d: Json):
+    from moeserve.engine.model_runner import SeqStepOutput
+
+    return SeqStepOutput(
+        token_id=d["token_id"],
+        logprobs=logprobs_from_json(d["logprobs"]),
+        prompt_logprobs=_logprob_list(d["prompt_logprobs"], logprobs_from_json),
+        first_position=d["first_position"],
+    )

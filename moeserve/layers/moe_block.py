@@ -1,0 +1,134 @@
+"""The MoE layer: router, routed experts, shared experts, under each parallel layout.
+
+Shape legend: T tokens, Tl this TP rank's share of them, D model dim, E logical experts,
+K top-k, R rows dispatched to this rank.
+
+    one process        gate -> experts (all E) -> + shared
+    TP, no EP          every rank: all E experts with F / tp each; shared expert split the
+                       same way; one all-reduce over tp sums routed + shared partials
+    EP (= tp x dp)     rank holds E / ep experts (slots from an ExpertPlacement table);
+                       each TP rank routes its Tl rows, dispatches them to the owners
+                       (all-to-all), the replicated shared expert runs while the dispatch is
+                       in flight, combine brings rows back; an all-gather over tp rebuilds T
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeserve.distributed.groups import Axis, ParallelGroups
+from moeserve.layers.linear import GatedMLP, Linear
+from moeserve.layers.moe import FusedExperts, Router
+from moeserve.models.hf_config import ModelConfig
+from moeserve.models.weights import WeightSpec
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    overlap: bool = True  # run the shared experts while the dispatch is in flight
+    two_batch: bool = False  # split each batch into two micro-batches around the all-to-alls
+    num_redundant_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_redundant_experts < 0:
+            raise ValueError("num_redundant_experts must be >= 0")
+
+
+class MoEBlock(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype=torch.float32,
+        groups: ParallelGroups | None = None,
+        options: MoEOptions | None = None,
+    ) -> None:
+        super().__init__()
+        groups = groups or ParallelGroups.single()
+        self.options = options or MoEOptions()
+        self.tp, self.ep = groups.tp, groups.ep
+        E, D = config.num_experts, config.hidden_size
+        self.gate = Router(config)
+        if self.ep.size > 1:
+            from moeserve.distributed.ep.all_to_all import AllToAllDispatcher
+            from moeserve.distributed.ep.placement import ExpertPlacement
+
+            self.placement = ExpertPlacement.contiguous(
+                E, self.ep.size, self.options.num_redundant_experts
+            )
+            self.dispatcher = AllToAllDispatcher(self.ep.group)
+            slots = self.placement.local_logical(self.ep.rank)
+            expert_tp = shared_tp = Axis.single("tp")  # whole experts; shared replicated
+        else:
+            if self.options.num_redundant_experts:
+                raise ValueError("redundant experts need expert parallelism")
+            self.placement = None
+            slots = list(range(E))
+            expert_tp = shared_tp = self.tp
+        self.experts = FusedExperts(slots, D, config.moe_intermediate_size, dtype, expert_tp)
+        self.shared = (
+            GatedMLP(D, config.shared_expert_intermediate_size, dtype, shared_tp, reduce=False)
+            if config.shared_expert_intermediate_size
+            else None
+        )
+        self.shared_gate = (
+            Linear(D, 1, dtype=dtype)
+            if (self.shared is not None and config.shared_expert_gate)
+            else None
+        )
+        self.shared_name = "shared_expert" if config.shared_expert_gate else "shared_experts"
+
+    def owns_expert(self, e: int) -> bool:
+        return e in self.experts.local_experts
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.placement is None:
+            topk_w_TK, topk_ids_TK = self.gate(x_TD)
+            y_TD = self.experts(x_TD, topk_w_TK, topk_ids_TK)
+            if self.shared is not None:
+                y_TD = y_TD + self._shared(x_TD)
+            return self.tp.all_reduce(y_TD)
+        return self._forward_ep(x_TD)
+
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
+        s_TD = self.shared(x_TD)
+        if self.shared_gate is not None:
+            s_TD = torch.sigmoid(self.shared_gate(x_TD)) * s_TD
+        return s_TD
+
+    def _forward_ep(self, x_TD: torch.Tensor) -> torch.Tensor:
+        from moeserve.distributed.ep.moe_step import ep_moe_forward
+
+        T, tp = x_TD.shape[0], self.tp
+        # the TP ranks of a replica hold the same T rows: each routes and dispatches its share
+        chunk = -(-T // tp.size)
+        x_local = x_TD[tp.rank * chunk : (tp.rank + 1) * chunk]
+        topk_w, topk_ids = self.gate(x_local)
+        y_local = ep_moe_forward(
+            x_local,
+            topk_w,
+            topk_ids,
+            self.experts.compute_sorted,
+            self._shared if self.shared is not None else None,
+            self.dispatcher,
+            self.placement,
+            overlap=self.options.overlap,
+            two_batch=self.options.two_batch,
+        )
+        if tp.size == 1 or chunk == 0:
+            return y_local
+        pad = chunk - y_local.shape[0]
+        if pad:
+            y_local = torch.cat((y_local, y_local.new_zeros(pad, y_local.shape[1])))
+        return tp.all_gather(y_local, dim=0)[:T]
+
+    def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
+        specs = {**self.gate.weight_specs(f"{prefix}.gate")}
+        specs.update(self.experts.weight_specs(f"{prefix}.experts"))
+        if self.shared is not None:
+            specs.update(self.shared.weight_specs(f"{prefix}.{self.shared_name}"))
+        if self.shared_gate is not None:
+            specs.update(self.shared_gate.weight_specs(f"{prefix}.shared_expert_gate"))
+        return specs

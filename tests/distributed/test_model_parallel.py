@@ -1,0 +1,141 @@
+"""Every parallel layout gives the one-process result: the same 32 greedy tokens and prompt
+log-probabilities within 1e-4, for a batch of mixed-length prompts under continuous batching
+(a small token budget forces chunked prefill, so DP replicas run different step patterns and
+idle replicas join the expert all-to-alls with empty batches).
+
+Each case spawns its ranks as processes (gloo over loopback)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from tests.checkpoints import build_hf_model, save_hf_checkpoint
+
+PARAMS = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, prompt_logprobs=0)
+ENGINE = dict(dtype="float32", progress=False, max_model_len=160, max_num_batched_tokens=40)
+
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2),
+    "ep2-tp2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    "ep2-dp2": dict(data_parallel_size=2, enable_expert_parallel=True),
+    "ep4-dp4": dict(data_parallel_size=4, enable_expert_parallel=True),
+    "ep4-tp2xdp2": dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True),
+    "dp2": dict(data_parallel_size=2),
+    "pp2": dict(pipeline_parallel_size=2),
+    "tp2xpp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+}
+# the 4-rank layouts of the second model run in the slow target
+SLOW = {("qwen3_moe", "ep4-dp4"), ("qwen3_moe", "ep4-tp2xdp2"), ("qwen3_moe", "dp2")}
+
+
+def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 70, (n,), generator=g).tolist()
+    return [torch.randint(2, 512, (m,), generator=g).tolist() for m in lengths]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mp")
+    return {
+        kind: save_hf_checkpoint(build_hf_model(kind), root / kind)
+        for kind in ("deepseek_v3", "qwen3_moe")
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    out = {}
+    for kind, path in checkpoints.items():
+        llm = LLM(str(path), max_num_seqs=3, **ENGINE)
+        out[kind] = llm.generate(prompts(), PARAMS)
+    return out
+
+
+def run_layout(path, layout: dict, ps, max_num_seqs: int = 3):
+    llm = LLM(str(path), max_num_seqs=max_num_seqs, **ENGINE, **layout)
+    try:
+        return llm.generate(ps, PARAMS), llm
+    finally:
+        llm.shutdown()
+
+
+def assert_same(ref, got) -> None:
+    for r, g in zip(ref, got, strict=True):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(r.prompt_logprobs)
+        for a, b in zip(r.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+            (tok_a, lp_a), (tok_b, lp_b) = next(iter(a.items())), next(iter(b.items()))
+            assert tok_a == tok_b and abs(lp_a.logprob - lp_b.logprob) < 1e-4
+
+
+CASES = [
+    pytest.param(kind, name, marks=[pytest.mark.slow] if (kind, name) in SLOW else [])
+    for kind in ("deepseek_v3", "qwen3_moe")
+    for name in LAYOUTS
+]
+
+
+@pytest.mark.parametrize(("kind", "layout"), CASES)
+def test_layout_matches_one_process(checkpoints, reference, kind, layout):
+    got, llm = run_layout(checkpoints[kind], LAYOUTS[layout], prompts())
+    assert_same(reference[kind], got)
+    # every spawned rank checked its KV cache at the stop and exited cleanly
+    assert all(p.returncode == 0 for p in llm.engine.workers.procs.values())
+
+
+def test_all_requests_on_one_replica(checkpoints, reference):
+    """One request: the other DP replica idles through every step (empty batches) without
+    hanging the expert all-to-alls."""
+    ps = prompts()[:1]
+    got, _ = run_layout(checkpoints["deepseek_v3"], LAYOUTS["ep2-dp2"], ps)
+    assert_same(reference["deepseek_v3"][:1], got)
+
+
+def test_rank_info_reports_shards(checkpoints):
+    """Each EP rank holds and reads only its experts; TP ranks split the attention."""
+    llm = LLM(str(checkpoints["deepseek_v3"]), **ENGINE, **LAYOUTS["ep4-tp2xdp2"])
+    try:
+        info = llm.engine.rank_info()
+    finally:
+        llm.shutdown()
+    single = LLM(str(checkpoints["deepseek_v3"]), **ENGINE).engine
+    full = sum(p.numel() * p.element_size() for p in single.model.parameters())
+    assert [i["rank"] for i in info] == [0, 1, 2, 3]
+    assert sorted(i["ep_rank"] for i in info) == [0, 1, 2, 3]
+    for i in info:
+        assert i["weight_bytes"] < 0.6 * full
+        assert i["checkpoint_bytes_read"] < 0.6 * single.load_report.num_bytes
+
+
+def test_killed_rank_ends_the_group_with_its_name(checkpoints):
+    llm = LLM(str(checkpoints["deepseek_v3"]), **ENGINE, **LAYOUTS["ep2-dp2"])
+    victim = llm.engine.workers.procs[1]
+    threading.Timer(1.0, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    long = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="rank 1 was killed by signal 9"):
+        llm.generate(prompts(4), long)
+    assert time.monotonic() - start < 30
+    assert llm.engine.closed and victim.poll() is not None
+
+
+def test_peer_that_never_arrives_fails_in_bounded_time(checkpoints, monkeypatch):
+    # a torchrun-style world of 2 where rank 1 never starts
+    from moeserve.distributed.launch_env import free_port
+
+    env = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not all join"):
+        LLM(str(checkpoints["deepseek_v3"]), **ENGINE, **LAYOUTS["tp2"], dist_timeout_s=3)
+    assert time.monotonic() - start < 30
