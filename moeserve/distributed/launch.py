@@ -38,6 +38,7 @@ from moeserve.distributed.launch_env import (
     detect_external,
     plan_local_ranks,
 )
+from moeserve.distributed.netif import interface_towards
 from moeserve.distributed.numa import (
     RankBinding,
     apply_binding,
@@ -110,6 +111,10 @@ def _join(
             binding.local_rank, binding.numa_node, binding.cpus, config.num_threads
         )
     apply_binding(binding)
+    if spec.nnodes > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = interface_towards(spec.master_addr)
+        if iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
     try:
         dist.init_process_group(
             "gloo",

@@ -16,10 +16,43 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.models.synthetic import write_random_deepseek
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 
 PARAMS = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, prompt_logprobs=0)
 ENGINE = dict(dtype="float32", progress=False, max_model_len=160, max_num_batched_tokens=40)
+
+# a DeepSeek-V3 whose experts dominate its size (the rest is a few MB)
+BENCH_LIKE = dict(
+    vocab_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=512,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    num_nextn_predict_layers=0,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 
 LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
@@ -139,3 +172,24 @@ def test_peer_that_never_arrives_fails_in_bounded_time(checkpoints, monkeypatch)
     with pytest.raises(RuntimeError, match="did not all join"):
         LLM(str(checkpoints["deepseek_v3"]), **ENGINE, **LAYOUTS["tp2"], dist_timeout_s=3)
     assert time.monotonic() - start < 30
+
+
+def test_expert_parallel_ranks_keep_only_their_experts_resident(tmp_path):
+    """Resident memory a fresh rank gains while loading, against its shard: with EP2 a rank
+    holds half the experts (and reads only those bytes); as a plain DP replica it holds all."""
+    cfg = dict(BENCH_LIKE, num_hidden_layers=3, n_routed_experts=32, hidden_size=512)
+    path = write_random_deepseek(tmp_path / "ckpt", cfg, dtype="float32")
+    expert_bytes = 2 * 32 * 3 * 512 * 512 * 4  # two MoE layers of 32 experts, fp32
+    info = {}
+    for name in ("dp2", "ep2-dp2"):
+        llm = LLM(str(path), **ENGINE, **LAYOUTS[name])
+        try:
+            info[name] = llm.engine.rank_info()[1]  # rank 1: a fresh process
+        finally:
+            llm.shutdown()
+    full, half = info["dp2"], info["ep2-dp2"]
+    assert full["weight_bytes"] - half["weight_bytes"] == expert_bytes // 2
+    assert full["checkpoint_bytes_read"] - half["checkpoint_bytes_read"] == expert_bytes // 2
+    slack = 48 << 20  # allocator and interpreter noise
+    for i in (full, half):
+        assert i["weight_bytes"] - slack < i["load_rss_bytes"] < i["weight_bytes"] + slack
