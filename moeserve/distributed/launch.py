@@ -47,6 +47,8 @@ from moeserve.distributed.numa import (
     read_topology,
 )
 from moeserve.engine.engine import LLMEngine
+from moeserve.models.hf_config import ModelConfig
+from moeserve.models.loader import check_layout
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ def start_engine(config: EngineConfig) -> LLMEngine | EngineGroup:
     layout = f"--tp {dims.tp} --dp {dims.dp} --pp {dims.pp}" + (
         " --enable-expert-parallel" if dims.enable_expert_parallel else ""
     )
+    # a layout the model cannot take fails here, before any rank starts
+    check_layout(ModelConfig.from_dir(config.model), dims, config.moe_options)
     workers = None
     if external is not None:
         check_world_size(external, dims.world_size, layout)
@@ -80,8 +84,9 @@ def start_engine(config: EngineConfig) -> LLMEngine | EngineGroup:
         engine, groups = _join(spec, config, binding)
     except BaseException as e:
         if workers is not None:
+            cause = workers.failure()  # a rank that failed first is the likelier culprit
             workers.kill_all()
-            raise RuntimeError(f"engine group failed to start: {workers.failure() or e}") from e
+            raise RuntimeError(f"engine group failed to start: {cause or e}") from e
         raise
     if spec.rank == 0:
         group = EngineGroup(engine, groups, workers)

@@ -119,7 +119,7 @@ class ParallelDims:
                 f"{num_experts + num_redundant_experts} expert slots do not divide by "
                 f"ep={self.ep} (tp x dp)"
             )
-        for f in ffn_sizes:
+        for f in sorted(set(ffn_sizes)):
             if f % self.tp:
                 problems.append(f"FFN size {f} does not divide by tp={self.tp}")
         if problems:

@@ -6,6 +6,8 @@ MTP layers (``model.layers.{N..N+k-1}`` with ``N = num_hidden_layers``) are load
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -19,6 +21,8 @@ from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.base import DecoderLayer, KVCacheSpec, MoECausalLM
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+
+logger = logging.getLogger(__name__)
 
 
 class MTPLayer(nn.Module):
@@ -76,8 +80,10 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     ) -> None:
         max_positions = max_positions or config.max_position_embeddings
         super().__init__(config, dtype, max_positions, groups, moe_options)
-        if self.groups.dims.world_size > 1:
-            load_mtp = False  # the MTP layer is not sharded yet: kept on one-process runs only
+        if self.groups.dims.world_size > 1 and load_mtp and config.num_nextn_predict_layers:
+            # the MTP layer is not sharded yet: kept on one-process runs only
+            logger.info("MTP layers are not loaded under a parallel layout (not sharded yet)")
+            load_mtp = False
         n_mtp = config.num_nextn_predict_layers if load_mtp else 0
         self.mtp_layers = nn.ModuleList(
             MTPLayer(config, config.num_hidden_layers + i, self.rotary, dtype) for i in range(n_mtp)

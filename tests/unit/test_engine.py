@@ -187,3 +187,20 @@ def test_chat_renders_the_template_and_takes_many_conversations(ckpt):
     assert want[0] == tok.bos_token_id and want.count(tok.bos_token_id) == 1
     many = llm.chat([conv, [{"role": "user", "content": "Hello"}]], p)
     assert len(many) == 2 and many[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+
+
+def test_micro_batches_keep_order_and_balance_tokens():
+    from moeserve.core import Batch, ScheduledSeq, Sequence
+    from moeserve.engine.model_runner import split_micro_batches
+
+    seqs = [
+        Sequence(request_id=str(i), prompt_token_ids=[1] * n, params=SamplingParams())
+        for i, n in enumerate([1, 1, 30, 5, 40])
+    ]
+    batch = Batch(tuple(ScheduledSeq(s, 0, len(s.prompt_token_ids)) for s in seqs))
+    for n in (1, 2, 3, 7):
+        parts = split_micro_batches(batch, n)
+        assert len(parts) == n
+        assert [s for p in parts for s in p.seqs] == list(batch.seqs)
+    two = split_micro_batches(batch, 2)
+    assert [s.seq.request_id for s in two[1].seqs] == ["4"]  # 40 of 77 tokens
