@@ -27,6 +27,7 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from moeserve.config import EngineConfig
@@ -120,9 +121,14 @@ def _join(
         iface = interface_towards(spec.master_addr)
         if iface:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
+    backend = "gloo"
+    if config.torch_device.type == "cuda":
+        # one GPU per local rank; NCCL moves CUDA tensors, gloo the CPU control messages
+        torch.cuda.set_device(spec.local_rank)
+        backend = "cpu:gloo,cuda:nccl"
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=spec.init_method,
             rank=spec.rank,
             world_size=spec.world_size,

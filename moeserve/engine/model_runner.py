@@ -113,7 +113,9 @@ class ModelRunner:
         g, T = self.groups, input_ids_T.shape[0]
         h_in = None
         if not g.is_first_stage:
-            h_in = torch.empty(T, self.model.config.hidden_size, dtype=self.model.dtype)
+            h_in = torch.empty(
+                T, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device
+            )
             if T:
                 dist.recv(h_in, src=g.pp.ranks[g.pp.rank - 1])
         h_TD = self.model(input_ids_T, positions_T, meta, h_in)

@@ -44,7 +44,7 @@ def _row_layout(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
 def _pack(x_ND: torch.Tensor, weight_N: torch.Tensor, slot_N: torch.Tensor) -> torch.Tensor:
     N, D = x_ND.shape
     xb, xpad, B = _row_layout(D, x_ND.dtype)
-    buf_NB = torch.empty(N, B, dtype=torch.uint8)
+    buf_NB = torch.empty(N, B, dtype=torch.uint8, device=x_ND.device)
     buf_NB[:, :xb].view(x_ND.dtype).copy_(x_ND)
     buf_NB[:, xpad : xpad + 4].view(torch.float32).copy_(weight_N.unsqueeze(1))
     buf_NB[:, xpad + 4 :].view(torch.int32).copy_(slot_N.unsqueeze(1))
@@ -96,7 +96,7 @@ class AllToAllDispatcher(Dispatcher):
         buf_NB = _pack(
             x_TD.index_select(0, token_N), topk_w_TK.reshape(-1).float()[order_N], phys_N % S
         )
-        buf_RB = torch.empty(sum(recv), buf_NB.shape[1], dtype=torch.uint8)
+        buf_RB = torch.empty(sum(recv), buf_NB.shape[1], dtype=torch.uint8, device=x_TD.device)
         work = dist.all_to_all_single(
             buf_RB, buf_NB, list(recv), list(send), group=self.group, async_op=True
         )
@@ -114,7 +114,7 @@ class AllToAllDispatcher(Dispatcher):
     def combine(self, y_RD: torch.Tensor, meta: DispatchMeta) -> PendingCombine:
         # back to arrival order, then each row returns to the rank that sent it
         y_recv_RD = torch.empty_like(y_RD).index_copy_(0, meta.order_R, y_RD)
-        y_ND = torch.empty(sum(meta.send_counts), y_RD.shape[1], dtype=y_RD.dtype)
+        y_ND = y_RD.new_empty(sum(meta.send_counts), y_RD.shape[1])
         work = dist.all_to_all_single(
             y_ND,
             y_recv_RD,

@@ -113,7 +113,7 @@ def sort_by_slot(
 
 def scatter_rows(y_ND: torch.Tensor, token_N: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``y_TD[t] = sum of y_ND[n] with token_N[n] == t``, accumulated in fp32."""
-    acc_TD = torch.zeros(num_tokens, y_ND.shape[1], dtype=torch.float32)
+    acc_TD = y_ND.new_zeros(num_tokens, y_ND.shape[1], dtype=torch.float32)
     acc_TD.index_add_(0, token_N, y_ND.float())
     return acc_TD.to(y_ND.dtype)
 

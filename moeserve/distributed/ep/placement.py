@@ -114,13 +114,14 @@ class ExpertPlacement:
         replica everywhere. Raises ValueError for ids outside ``[0, E)``."""
         if topk_ids_TK.numel() == 0:
             return torch.empty_like(topk_ids_TK, dtype=torch.int64)
-        ids_N = topk_ids_TK.reshape(-1).long()
+        device = topk_ids_TK.device
+        ids_N = topk_ids_TK.reshape(-1).long().cpu()  # the tables live on the host
         lo, hi = int(ids_N.min()), int(ids_N.max())
         if lo < 0 or hi >= self.num_logical:
             raise ValueError(
                 f"expert ids must lie in [0, {self.num_logical}), got min {lo}, max {hi}"
             )
         if self.log2phys.shape[1] == 1:  # no replicas: a plain lookup
-            return self.log2phys[:, 0][ids_N].view(topk_ids_TK.shape)
+            return self.log2phys[:, 0][ids_N].view(topk_ids_TK.shape).to(device)
         replica_N = (torch.arange(ids_N.numel()) + offset) % self.logcnt[ids_N]
-        return self.log2phys[ids_N, replica_N].view(topk_ids_TK.shape)
+        return self.log2phys[ids_N, replica_N].view(topk_ids_TK.shape).to(device)
