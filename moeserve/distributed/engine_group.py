@@ -88,13 +88,17 @@ def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
 class EngineGroup:
     """Rank 0's handle on the group: the same request API as :class:`LLMEngine`."""
 
-    def __init__(self, engine: LLMEngine, groups: ParallelGroups, workers=None) -> None:
-        """``workers``: the ranks this process spawned (``launch.WorkerProcesses``), if any."""
+    def __init__(
+        self, engine: LLMEngine, groups: ParallelGroups, workers=None, on_close=None
+    ) -> None:
+        """``workers``: the ranks this process spawned (``launch.WorkerProcesses``), if any;
+        ``on_close`` runs once the group is shut down or has failed."""
         if groups.rank != 0:
             raise ValueError("EngineGroup runs on world rank 0; other ranks run serve_steps")
         self.engine, self.groups = engine, groups
         self.config: EngineConfig = engine.config
         self.workers = workers
+        self._on_close = on_close
         atexit.register(self.shutdown)
         self._adds: list[dict] = []
         self._aborts: list[str] = []
@@ -196,3 +200,5 @@ class EngineGroup:
             self.workers.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._on_close is not None:
+            self._on_close()

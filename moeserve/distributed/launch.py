@@ -81,16 +81,20 @@ def start_engine(config: EngineConfig) -> LLMEngine | EngineGroup:
         spec = specs[0]
         workers = WorkerProcesses(specs[1:], config, _bindings(config, len(specs)))
     binding = _bindings(config, spec.local_world_size)[spec.local_rank]
+    restore = _placement_restorer()  # rank 0 is the caller's process: undo the pinning later
     try:
         engine, groups = _join(spec, config, binding)
     except BaseException as e:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        restore()
         if workers is not None:
             cause = workers.failure()  # a rank that failed first is the likelier culprit
             workers.kill_all()
             raise RuntimeError(f"engine group failed to start: {cause or e}") from e
         raise
     if spec.rank == 0:
-        group = EngineGroup(engine, groups, workers)
+        group = EngineGroup(engine, groups, workers, on_close=restore)
         if workers is not None:
             workers.watch(group)
         logger.info("engine group ready: %s", dims.describe())
@@ -99,6 +103,17 @@ def start_engine(config: EngineConfig) -> LLMEngine | EngineGroup:
     if workers is not None:
         workers.join()
     sys.exit(0)
+
+
+def _placement_restorer():
+    """A function that gives this process back its CPU affinity and thread count."""
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+
+    def restore() -> None:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
+
+    return restore
 
 
 def _bindings(config: EngineConfig, local_world: int) -> list[RankBinding]:
