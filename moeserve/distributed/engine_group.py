@@ -8,7 +8,7 @@ Every rank runs one :class:`LLMEngine` for its DP replica. Each step::
     all       replica leaders' RequestOutputs are gathered to every rank (JSON); rank 0
               returns them to its caller
 
-Rank 0 assigns each request to the replica with the fewest unfinished requests, so every DP
+Rank 0 assigns each request to the replica with the fewest unfinished sequences, so every DP
 replica owns its requests and KV cache. ``{cmd: stop}`` ends the workers' loops.
 """
 
@@ -25,6 +25,7 @@ from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.objects import all_gather_json, broadcast_json
 from moeserve.engine import codec
 from moeserve.engine.engine import LLMEngine
+from moeserve.engine.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class EngineGroup:
         atexit.register(self.shutdown)
         self._adds: list[dict] = []
         self._aborts: list[str] = []
-        self._replica_of: dict[str, int] = {}  # unfinished request -> its DP replica
+        # unfinished request -> (its DP replica, its sequences); unfinished sequences per replica
+        self._replica_of: dict[str, tuple[int, int]] = {}
         self._load = [0] * groups.dims.dp
         self.closed = False
 
@@ -129,6 +131,13 @@ class EngineGroup:
         text, ids = self.engine.tokenize(prompt)
         self.engine.validate_prompt(ids, params)
         replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
+        cap = self.config.max_waiting_requests
+        if cap is not None and self._load[replica] + params.n > cap:
+            # rank 0 cannot see a replica's waiting queue, so it bounds all its unfinished
+            # sequences: the replica's own queue can then never overflow mid-step
+            raise QueueFullError(
+                f"every DP replica has {cap} or more unfinished sequences; retry later"
+            )
         self._adds.append(
             {
                 "id": request_id,
@@ -138,8 +147,8 @@ class EngineGroup:
                 "params": codec.params_to_json(params),
             }
         )
-        self._replica_of[request_id] = replica
-        self._load[replica] += 1
+        self._replica_of[request_id] = (replica, params.n)
+        self._load[replica] += params.n
 
     def abort_request(self, request_id: str) -> None:
         if request_id not in self._replica_of:
@@ -174,13 +183,16 @@ class EngineGroup:
 
     def rank_info(self) -> list[dict]:
         """:func:`rank_info` of every rank, in rank order."""
+        if self.closed:
+            raise RuntimeError("the engine group has been shut down")
         broadcast_json({"cmd": INFO}, self.groups.world, 0)
         return all_gather_json(rank_info(self.engine, self.groups), self.groups.world)
 
     def _forget(self, request_id: str) -> None:
-        replica = self._replica_of.pop(request_id, None)
-        if replica is not None:
-            self._load[replica] -= 1
+        entry = self._replica_of.pop(request_id, None)
+        if entry is not None:
+            replica, n = entry
+            self._load[replica] -= n
 
     def shutdown(self) -> None:
         """Tell every worker to stop and wait for the spawned ones; idempotent."""

@@ -198,3 +198,22 @@ def test_expert_parallel_ranks_keep_only_their_experts_resident(tmp_path):
     slack = 48 << 20  # allocator and interpreter noise
     for i in (full, half):
         assert i["weight_bytes"] - slack < i["load_rss_bytes"] < i["weight_bytes"] + slack
+
+
+def test_full_replicas_refuse_new_requests_at_rank_0(checkpoints):
+    from moeserve.engine.scheduler import QueueFullError
+
+    llm = LLM(str(checkpoints["deepseek_v3"]), **ENGINE, **LAYOUTS["dp2"], max_waiting_requests=1)
+    try:
+        group = llm.engine
+        group.add_request("a", [5, 6, 7], PARAMS)
+        group.add_request("b", [5, 6, 8], PARAMS)  # the other replica
+        with pytest.raises(QueueFullError, match="retry later"):
+            group.add_request("c", [5, 6, 9], PARAMS)
+        while group.has_unfinished_requests():
+            group.step()
+        group.add_request("c", [5, 6, 9], PARAMS)  # room again
+        group.abort_request("c")
+        assert not group.has_unfinished_requests()
+    finally:
+        llm.shutdown()
