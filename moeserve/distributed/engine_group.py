@@ -43,13 +43,9 @@ def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[Reque
     return engine.step()
 
 
-def _is_replica_leader(groups: ParallelGroups) -> bool:
-    return groups.replica.rank == groups.replica_leader_index
-
-
 def exchange_outputs(groups: ParallelGroups, outputs: list[RequestOutput]) -> list[RequestOutput]:
     """Every replica leader's outputs of this step, on every rank."""
-    mine = [codec.output_to_json(o) for o in outputs] if _is_replica_leader(groups) else []
+    mine = [codec.output_to_json(o) for o in outputs] if groups.is_replica_leader else []
     parts = all_gather_json(mine, groups.world)
     return [codec.output_from_json(o) for part in parts for o in part]
 

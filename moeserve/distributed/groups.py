@@ -72,6 +72,10 @@ class ParallelGroups:
         return self.coords.pp_rank == self.dims.pp - 1
 
     @property
+    def is_replica_leader(self) -> bool:
+        return self.replica.rank == self.replica_leader_index
+
+    @property
     def replica_leader_index(self) -> int:
         """Index in ``replica`` of the rank that samples: last stage, tp rank 0."""
         return self.replica.ranks.index(self.dims.rank_of(self.coords.dp_rank, self.dims.pp - 1, 0))

@@ -83,14 +83,10 @@ class ModelRunner:
         for work in sends:
             work.wait()
         if g.replica.size > 1:
-            leader = g.replica_leader_index
-            sent = (
-                [codec.step_output_to_json(o) for o in outputs]
-                if g.replica.rank == leader
-                else None
-            )
-            received = broadcast_json(sent, g.replica, leader)
-            if g.replica.rank != leader:
+            lead = g.is_replica_leader
+            sent = [codec.step_output_to_json(o) for o in outputs] if lead else None
+            received = broadcast_json(sent, g.replica, g.replica_leader_index)
+            if not lead:
                 outputs = [codec.step_output_from_json(o) for o in received]
         return outputs
 

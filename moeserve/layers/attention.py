@@ -16,7 +16,7 @@ from torch import nn
 
 from moeserve.distributed.groups import Axis
 from moeserve.layers.attention_meta import AttentionMetadata, causal_bias
-from moeserve.layers.linear import Linear, RowParallelLinear, copy_into
+from moeserve.layers.linear import Linear, RowParallelLinear, copy_into, shard_range
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig
@@ -69,7 +69,7 @@ class GQAttention(nn.Module):
         }
         specs: dict[str, WeightSpec] = {}
         for name, (off, full, (start, n)) in parts.items():
-            shard = (0, start, n) if n != full else None
+            shard = shard_range(full, 0, start, n)
             specs[f"{prefix}.{name}.weight"] = WeightSpec(
                 (full, d), copy_into(w[off : off + n]), shard
             )

@@ -46,11 +46,17 @@ def split_size(total: int, tp: Axis, what: str) -> int:
     return total // tp.size
 
 
+def shard_range(full: int, dim: int, start: int, length: int) -> tuple[int, int, int] | None:
+    """``WeightSpec.shard`` for entries ``[start, start + length)`` of a dim of size ``full``:
+    None when that is the whole dim."""
+    return None if (start, length) == (0, full) else (dim, start, length)
+
+
 def shard_spec(
     full_shape: tuple[int, ...], dst: torch.Tensor, dim: int, index: int, length: int
 ) -> WeightSpec:
     """Read ``[index * length, (index + 1) * length)`` of dim ``dim`` into ``dst``."""
-    shard = (dim, index * length, length) if length != full_shape[dim] else None
+    shard = shard_range(full_shape[dim], dim, index * length, length)
     return WeightSpec(tuple(full_shape), copy_into(dst), shard)
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.distributed.groups import Axis
+from moeserve.layers.linear import shard_range
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import kernels
@@ -267,5 +268,5 @@ def _slots_spec(
         for s in slots:
             w[s, rows].copy_(t)
 
-    shard = (dim, index * length, length) if length != full[dim] else None
+    shard = shard_range(full[dim], dim, index * length, length)
     return WeightSpec(full, load, shard)

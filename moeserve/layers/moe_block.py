@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moeserve.distributed.ep.all_to_all import AllToAllDispatcher
+from moeserve.distributed.ep.moe_step import ep_moe_forward
+from moeserve.distributed.ep.placement import ExpertPlacement
 from moeserve.distributed.groups import Axis, ParallelGroups
 from moeserve.layers.linear import GatedMLP, Linear
 from moeserve.layers.moe import FusedExperts, Router
@@ -52,9 +55,6 @@ class MoEBlock(nn.Module):
         E, D = config.num_experts, config.hidden_size
         self.gate = Router(config)
         if self.ep.size > 1:
-            from moeserve.distributed.ep.all_to_all import AllToAllDispatcher
-            from moeserve.distributed.ep.placement import ExpertPlacement
-
             self.placement = ExpertPlacement.contiguous(
                 E, self.ep.size, self.options.num_redundant_experts
             )
@@ -99,8 +99,6 @@ class MoEBlock(nn.Module):
         return s_TD
 
     def _forward_ep(self, x_TD: torch.Tensor) -> torch.Tensor:
-        from moeserve.distributed.ep.moe_step import ep_moe_forward
-
         T, tp = x_TD.shape[0], self.tp
         # the TP ranks of a replica hold the same T rows: each routes and dispatches its share
         chunk = -(-T // tp.size)
