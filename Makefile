@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/moeserve generate --prompt "The expert said" --max-tokens 48 --temperature 0.8 --seed 0
+	BIN=$(BIN) scripts/demo.sh
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

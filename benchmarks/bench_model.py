@@ -5,18 +5,25 @@ vocab 32000, hidden 1024, 12 layers (layer 0 dense, intermediate 2816), 16 heads
 kv_lora 256, rope 32, nope 64, v 64, 64 routed experts top-6 in 8 groups / top-4 groups,
 expert FFN 512, 1 shared expert.
 
+Its tokenizer (for the server) is the demo's byte-level BPE grown to 32000 tokens with
+synthetic in-word merges, so every id the model can emit decodes to text; the chat template
+and special tokens are the demo's. It is added to an existing checkpoint without touching the
+weights.
+
     python benchmarks/bench_model.py [PATH]     # default: $MOESERVE_CACHE/bench-deepseek-1.2b
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from moeserve.config import default_cache_dir
+from moeserve.demo import GENERATION_CONFIG, TOKENIZER_CONFIG, TOKENIZER_PATH
 from moeserve.models.synthetic import write_random_deepseek
 
 BENCH_CONFIG = dict(
@@ -55,15 +62,42 @@ BENCH_CONFIG = dict(
 NAME = "bench-deepseek-1.2b-v1"
 
 
+def write_bench_tokenizer(out: Path, vocab_size: int = BENCH_CONFIG["vocab_size"]) -> None:
+    """tokenizer.json (+ config files) with exactly ``vocab_size`` tokens; deterministic."""
+    tok = json.loads(TOKENIZER_PATH.read_text(encoding="utf-8"))
+    vocab, merges = tok["model"]["vocab"], tok["model"]["merges"]
+    merged = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i >= 260]
+    # word-internal merges only (the right part never starts a word), in a fixed order
+    for right in [t for t in merged if not t.startswith("\u0120")]:
+        for left in merged:
+            if len(vocab) == vocab_size:
+                break
+            if left + right not in vocab:
+                vocab[left + right] = len(vocab)
+                merges.append([left, right])
+    if len(vocab) != vocab_size:
+        raise RuntimeError(f"bench tokenizer reached {len(vocab)} tokens, want {vocab_size}")
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    config = {**TOKENIZER_CONFIG, "model_max_length": BENCH_CONFIG["max_position_embeddings"]}
+    for name, obj in (
+        ("tokenizer_config.json", config),
+        ("generation_config.json", GENERATION_CONFIG),
+    ):
+        (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
 def bench_model_path(path: str | None = None) -> Path:
     """Create the benchmark checkpoint once (atomically) and return its directory."""
     target = Path(path) if path else Path(default_cache_dir()) / NAME
     if (target / "model.safetensors.index.json").is_file():
+        if not (target / "tokenizer.json").is_file():
+            write_bench_tokenizer(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=target.parent))
     try:
         write_random_deepseek(tmp, BENCH_CONFIG, seed=1234, dtype="bfloat16")
+        write_bench_tokenizer(tmp)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""``moeserve`` command line: ``generate`` (streams to the terminal) and ``demo-model``."""
+"""``moeserve`` command line: ``serve`` (the OpenAI-compatible server), ``generate`` (one
+prompt, streamed to the terminal), ``bench serving`` and ``demo-model``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="bound on queued sequences; the server answers 503 beyond it (default: none)",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--no-mtp", action="store_true", help="do not load the MTP layers")
     p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads per rank")
@@ -56,6 +65,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting_requests=args.max_waiting_requests,
+        enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         load_mtp=not args.no_mtp,
         num_threads=args.threads,
@@ -119,6 +131,31 @@ def _stream(llm, prompt, params, quiet: bool) -> None:
         print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from moeserve.config import EngineConfig
+    from moeserve.serving.launcher import ServeOptions, serve
+
+    logging.getLogger("moeserve").setLevel(args.log_level.upper())
+    kwargs = engine_kwargs(args)
+    if kwargs["model"] is None:
+        from moeserve.demo import demo_model_path
+
+        kwargs["model"] = str(demo_model_path())
+    config = EngineConfig(**kwargs, progress=True)
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("MOESERVE_API_KEY"),
+        served_model_names=tuple(args.served_model_name or ()),
+        shutdown_timeout_s=args.shutdown_timeout,
+        debug_endpoints=args.enable_debug_endpoints,
+        log_level=args.log_level,
+    )
+    return serve(config, options)
+
+
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from moeserve.demo import write_demo_model
 
@@ -144,6 +181,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    s.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or MOESERVE_API_KEY)"
+    )
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: the model path)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests may take to finish after SIGTERM",
+    )
+    s.add_argument(
+        "--enable-debug-endpoints", action="store_true", help="GET /debug/engine (stats, KV check)"
+    )
+    s.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
+    )
+    s.set_defaults(func=_cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks against a running server")
+    from moeserve.bench.serving import add_serving_parser
+
+    add_serving_parser(b.add_subparsers(dest="bench_command", required=True))
 
     d = sub.add_parser("demo-model", help="write the built-in demo model as a HF directory")
     d.add_argument("path")

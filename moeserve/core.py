@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 _GREEDY_EPS = 1e-5
+OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,12 @@ class SamplingParams:
     its log-probability and the top-N alternatives (computed from the model's raw distribution,
     before temperature and penalties, as vLLM does). ``prompt_logprobs=N`` returns the same for
     every prompt token (``None`` for the first).
+
+    ``output_kind`` says what each :class:`RequestOutput` carries (vLLM's ``RequestOutputKind``):
+    ``cumulative`` everything so far, ``delta`` only what is new since the previous output of
+    the request (samples without news are left out), ``final`` one output when it finishes.
+    ``detokenize=False`` leaves text empty and stop strings unchecked: the caller detokenizes
+    (the API server does, in its own process) and ends a sample at a stop string itself.
     """
 
     n: int = 1
@@ -47,6 +54,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: str = "cumulative"
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +100,10 @@ class SamplingParams:
                 f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (
+                self.output_kind in OUTPUT_KINDS,
+                f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -157,6 +170,7 @@ class Sequence:
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None
+    first_scheduled_time: float | None = None  # first admission to the running queue
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -2,14 +2,16 @@
 
 Every rank runs one :class:`LLMEngine` for its DP replica. Each step::
 
-    rank 0    msg = {cmd: step, add: [...], abort: [...]}  -- broadcast to the world (JSON)
-    all       apply the adds meant for their replica and the aborts; engine.step()
+    rank 0    msg = {cmd: step, add: [...], abort: [...], finish: [...]}  -- broadcast (JSON)
+    all       apply the adds meant for their replica, the aborts and the samples finished by
+              the caller (stop strings found by the API server); engine.step()
               (a replica with nothing to run joins the expert all-to-alls with an empty batch)
     all       replica leaders' RequestOutputs are gathered to every rank (JSON); rank 0
               returns them to its caller
 
 Rank 0 assigns each request to the replica with the fewest unfinished sequences, so every DP
-replica owns its requests and KV cache. ``{cmd: stop}`` ends the workers' loops.
+replica owns its requests and KV cache. ``{cmd: stats}`` gathers every rank's
+:meth:`LLMEngine.stats`; ``{cmd: stop}`` ends the workers' loops.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from moeserve.engine.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
 
-STEP, STOP, INFO = "step", "stop", "info"
+STEP, STOP, INFO, STATS, PING = "step", "stop", "info", "stats", "ping"
 
 
 def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[RequestOutput]:
@@ -40,6 +42,8 @@ def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[Reque
             engine.add_tokenized(add["id"], add["prompt_ids"], params, add["prompt"])
     for request_id in msg["abort"]:
         engine.abort_request(request_id)
+    for request_id, index, stop in msg["finish"]:
+        engine.finish_sample(request_id, index, stop)
     return engine.step()
 
 
@@ -79,7 +83,37 @@ def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
         if msg["cmd"] == INFO:
             all_gather_json(rank_info(engine, groups), groups.world)
             continue
+        if msg["cmd"] == STATS:
+            all_gather_json(engine.stats(), groups.world)
+            continue
+        if msg["cmd"] == PING:
+            continue
         exchange_outputs(groups, run_step(engine, groups, msg))
+
+
+def merge_stats(per_rank: list[dict], dims) -> dict:
+    """One stats dict from every rank's (in rank order): the fields of one replica's stats
+    summed over replicas, plus ``replicas`` (each replica leader's own) and ``integrity``."""
+    leaders = [per_rank[dims.rank_of(d, dims.pp - 1, 0)] for d in range(dims.dp)]
+    experts: dict[int, list[int]] = {}
+    for st in per_rank:
+        for layer, counts in st["expert_counts"].items():
+            layer = int(layer)  # JSON keys are strings
+            acc = experts.setdefault(layer, [0] * len(counts))
+            for e, c in enumerate(counts):
+                acc[e] += c
+    failures = [f"rank {r}: {st['integrity']}" for r, st in enumerate(per_rank)]
+    failures = [f for f, st in zip(failures, per_rank) if st["integrity"] != "ok"]
+    summed = ("num_running", "num_waiting", "num_preemptions", "num_blocks", "num_free_blocks")
+    summed += ("num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits")
+    out = {k: sum(st[k] for st in leaders) for k in summed}
+    out["kv_cache_usage"] = 1.0 - out["num_free_blocks"] / max(1, out["num_blocks"])
+    out["expert_counts"] = dict(sorted(experts.items()))
+    out["integrity"] = failures[0] if failures else "ok"
+    out["replicas"] = [
+        {k: st[k] for k in ("num_running", "num_waiting", "kv_cache_usage")} for st in leaders
+    ]
+    return out
 
 
 class EngineGroup:
@@ -99,6 +133,7 @@ class EngineGroup:
         atexit.register(self.shutdown)
         self._adds: list[dict] = []
         self._aborts: list[str] = []
+        self._finishes: list[tuple[str, int, str | None]] = []
         # unfinished request -> (its DP replica, its sequences); unfinished sequences per replica
         self._replica_of: dict[str, tuple[int, int]] = {}
         self._load = [0] * groups.dims.dp
@@ -156,14 +191,20 @@ class EngineGroup:
             self._aborts.append(request_id)
         self._forget(request_id)
 
+    def finish_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
+        """End one sample with finish reason ``stop`` on its replica (sent with the next step);
+        the step after reports it, and the request's finished output, if it was the last."""
+        if request_id in self._replica_of:
+            self._finishes.append((request_id, index, stop_reason))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._replica_of)
 
     def step(self) -> list[RequestOutput]:
         if self.closed:
             raise RuntimeError("the engine group has been shut down")
-        msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts}
-        self._adds, self._aborts = [], []
+        msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts, "finish": self._finishes}
+        self._adds, self._aborts, self._finishes = [], [], []
         try:
             broadcast_json(msg, self.groups.world, 0)
             outputs = exchange_outputs(self.groups, run_step(self.engine, self.groups, msg))
@@ -176,6 +217,30 @@ class EngineGroup:
             if out.finished:
                 self._forget(out.request_id)
         return outputs
+
+    def stats(self) -> dict:
+        """:meth:`LLMEngine.stats` of the whole group: queues and KV cache per DP replica
+        (``replicas``, from each replica leader), prefix-cache counters and expert counts summed
+        (each MoE layer's counts from the ranks that report them), and the self-check of
+        every rank (``integrity``: "ok" or the first failure)."""
+        if self.closed:
+            raise RuntimeError("the engine group has been shut down")
+        broadcast_json({"cmd": STATS}, self.groups.world, 0)
+        per_rank = all_gather_json(self.engine.stats(), self.groups.world)
+        return merge_stats(per_rank, self.groups.dims)
+
+    def keepalive(self) -> None:
+        """Wake the workers without a step. Their wait for rank 0's next message is a
+        collective with the group's timeout (``dist_timeout_s``), so a caller that may stay
+        idle longer (a server with no requests) calls this every few seconds."""
+        if self.closed:
+            raise RuntimeError("the engine group has been shut down")
+        try:
+            broadcast_json({"cmd": PING}, self.groups.world, 0)
+        except Exception as e:
+            cause = self.workers.failure(wait_s=3.0) if self.workers is not None else None
+            self._close(kill=True)
+            raise RuntimeError(f"engine group stopped: {cause or e}") from e
 
     def rank_info(self) -> list[dict]:
         """:func:`rank_info` of every rank, in rank order."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.core import PromptType, RequestOutput, SamplingParams, Sequence
+from moeserve.core import FinishReason, PromptType, RequestOutput, SamplingParams, Sequence
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.model_runner import ModelRunner, SeqStepOutput
 from moeserve.engine.output_processor import OutputProcessor
@@ -180,7 +180,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; this engine's max_model_len is "
                 f"{self.max_model_len}, which must leave room for at least one output token"
             )
-        if params.stop and self.tokenizer is None:
+        if params.stop and params.detokenize and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
 
     def abort_request(self, request_id: str) -> None:
@@ -188,8 +188,37 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         self.outputs.drop(request_id)
 
+    def finish_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
+        """End one sample of a request with finish reason ``stop`` (its caller found a stop
+        string in the text); its blocks are freed at once and the next step reports it."""
+        self.outputs.finish_sample(request_id, index, FinishReason.STOP, stop_reason)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.outputs.has_pending
+
+    def stats(self) -> dict:
+        """This replica's queues, KV cache and prefix-cache counters, the tokens routed to each
+        expert of the MoE layers this rank reports (see :meth:`MoEBlock.reports_counts`), and
+        the result of the KV-cache self-check (``integrity``: "ok" or the error)."""
+        bm = self.scheduler.block_manager
+        try:
+            self.scheduler.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = str(e)
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache_usage": bm.usage,
+            "num_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "expert_counts": self.model.expert_counts(),
+            "integrity": integrity,
+        }
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -198,7 +227,7 @@ class LLMEngine:
         if batch is None:
             if self.run_empty_when_idle:
                 self.runner.run_empty()
-            return []
+            return self.outputs.process([])  # samples finished between steps
         results: list[SeqStepOutput] = self.runner.run(batch)
         self.outputs.record_prompt_logprobs(batch, results)
         updated = self.scheduler.update(batch, [(r.token_id, r.logprobs) for r in results])

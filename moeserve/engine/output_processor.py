@@ -1,5 +1,9 @@
 """Detokenizes sequences as tokens arrive, applies stop strings, and regroups the samples of
-each request into one :class:`RequestOutput` (cumulative text, as vLLM returns by default)."""
+each request into one :class:`RequestOutput`: cumulative by default, as vLLM returns, or only
+what is new (``output_kind="delta"``, what the API server streams) or only the final output.
+
+A request with ``detokenize=False`` gets token ids only; its caller detokenizes and ends a
+sample at a stop string with :meth:`OutputProcessor.finish_sample`."""
 
 from __future__ import annotations
 
@@ -28,6 +32,10 @@ class _SampleState:
     text: str = ""
     num_tokens_seen: int = 0
     stopped: bool = False  # the text was cut at a stop string; later tokens add no text
+    # what earlier delta outputs carried
+    num_tokens_sent: int = 0
+    num_chars_sent: int = 0
+    finish_sent: bool = False
 
 
 @dataclass
@@ -38,6 +46,7 @@ class _RequestState:
     params: SamplingParams
     samples: list[_SampleState]
     arrival: float = field(default_factory=time.monotonic)
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -45,6 +54,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.requests: dict[str, _RequestState] = {}
+        # sequences finished between steps (finish_sample): reported by the next process()
+        self._pending: list[Sequence] = []
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
 
     def add(
         self,
@@ -60,7 +75,7 @@ class OutputProcessor:
             _SampleState(
                 seq,
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                if self.tokenizer is not None
+                if self.tokenizer is not None and params.detokenize
                 else None,
             )
             for seq in seqs
@@ -69,6 +84,28 @@ class OutputProcessor:
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self._pending = [s for s in self._pending if s.request_id != request_id]
+
+    def finish_sample(
+        self,
+        request_id: str,
+        index: int,
+        reason: FinishReason = FinishReason.STOP,
+        stop_reason: int | str | None = None,
+    ) -> bool:
+        """End sample ``index`` of a request now (its caller found a stop string): its blocks
+        are freed at once and the next :meth:`process` reports it finished. False when the
+        request or sample is unknown or already finished."""
+        state = self.requests.get(request_id)
+        if state is None or not 0 <= index < len(state.samples):
+            return False
+        sample = state.samples[index]
+        if sample.seq.is_finished:
+            return False
+        self.scheduler.finish(sample.seq, reason, stop_reason)
+        sample.stopped = True
+        self._pending.append(sample.seq)
+        return True
 
     def record_prompt_logprobs(self, batch: Batch, results: list[SeqStepOutput]) -> None:
         for s, r in zip(batch.seqs, results):
@@ -82,6 +119,10 @@ class OutputProcessor:
             seq.prompt_logprobs.extend(r.prompt_logprobs[skip:])
 
     def process(self, updated: list[Sequence]) -> list[RequestOutput]:
+        """Outputs of the requests whose sequences got a token or finished this step; a request
+        leaves the processor with its finished output."""
+        if self._pending:
+            updated, self._pending = [*self._pending, *updated], []
         touched: dict[str, _RequestState] = {}
         for seq in updated:
             state = self.requests.get(seq.request_id)
@@ -93,6 +134,8 @@ class OutputProcessor:
         outputs = []
         for request_id, state in touched.items():
             out = self._make_output(state)
+            if out is None:
+                continue
             outputs.append(out)
             if out.finished:
                 del self.requests[request_id]
@@ -138,32 +181,49 @@ class OutputProcessor:
             )
         return out
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
+    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+        """The request's output for this step; None when its kind has nothing to say yet."""
         finished = all(s.seq.is_finished for s in state.samples)
-        # decoded_token strings are filled once, in the final output
-        decorate = self._decorate if finished else list
+        kind = state.params.output_kind
+        if kind == "final" and not finished:
+            return None
+        delta = kind == "delta"
+        decorate = self._decorate if state.params.detokenize else list
+        if not delta and not finished:
+            decorate = list  # decoded_token strings are filled once, in the final output
         completions = []
         for i, sample in enumerate(state.samples):
             seq = sample.seq
+            tokens, text, logprobs = seq.output_token_ids, sample.text, seq.logprobs
+            if delta:
+                newly_finished = seq.is_finished and not sample.finish_sent
+                if len(tokens) == sample.num_tokens_sent and not newly_finished:
+                    continue
+                tokens = tokens[sample.num_tokens_sent :]
+                logprobs = logprobs[sample.num_tokens_sent :]
+                text = text[sample.num_chars_sent :]
+                sample.num_tokens_sent = len(seq.output_token_ids)
+                sample.num_chars_sent = len(sample.text)
+                sample.finish_sent = seq.is_finished
             want_lp = seq.params.logprobs is not None
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=sample.text,
-                    token_ids=list(seq.output_token_ids),
+                    text=text,
+                    token_ids=list(tokens),
                     cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                    logprobs=decorate(seq.logprobs) if want_lp else None,
+                    logprobs=decorate(logprobs) if want_lp else None,
                     finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                     stop_reason=seq.stop_reason,
                 )
             )
+        if delta and not completions and not finished:
+            return None
         first = state.samples[0].seq
         prompt_logprobs = None
-        if state.params.prompt_logprobs is not None:
+        if state.params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
             prompt_logprobs = decorate(first.prompt_logprobs)
-        metrics = {"arrival_time": state.arrival}
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
+            state.prompt_logprobs_sent = delta
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -172,5 +232,17 @@ class OutputProcessor:
             finished=finished,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.num_cached_prompt_tokens,
-            metrics=metrics,
+            metrics=self._metrics(state),
         )
+
+    @staticmethod
+    def _metrics(state: _RequestState) -> dict[str, float]:
+        """Timestamps (time.monotonic) and the queue time of the request's first sample."""
+        first = state.samples[0].seq
+        metrics = {"arrival_time": state.arrival}
+        if first.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = first.first_scheduled_time
+            metrics["queue_time"] = max(0.0, first.first_scheduled_time - first.arrival_time)
+        if first.first_token_time is not None:
+            metrics["first_token_time"] = first.first_token_time
+        return metrics

@@ -18,6 +18,7 @@ num_computed_tokens`` covers that with no special case.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -170,6 +171,8 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, n, cached)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n

@@ -79,6 +79,11 @@ class MoEBlock(nn.Module):
             else None
         )
         self.shared_name = "shared_expert" if config.shared_expert_gate else "shared_experts"
+        # tokens routed to each logical expert since start (metrics, EPLB). Under EP every rank
+        # routes its own rows, so the ranks' counts add up; without EP the TP ranks route the
+        # same rows and only TP rank 0 reports.
+        self.register_buffer("expert_counts_E", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.reports_counts = self.placement is not None or self.tp.rank == 0
 
     def owns_expert(self, e: int) -> bool:
         return e in self.experts.local_experts
@@ -86,11 +91,16 @@ class MoEBlock(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.placement is None:
             topk_w_TK, topk_ids_TK = self.gate(x_TD)
+            self._count(topk_ids_TK)
             y_TD = self.experts(x_TD, topk_w_TK, topk_ids_TK)
             if self.shared is not None:
                 y_TD = y_TD + self._shared(x_TD)
             return self.tp.all_reduce(y_TD)
         return self._forward_ep(x_TD)
+
+    def _count(self, topk_ids_TK: torch.Tensor) -> None:
+        E = self.expert_counts_E.shape[0]
+        self.expert_counts_E += torch.bincount(topk_ids_TK.flatten(), minlength=E)
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         s_TD = self.shared(x_TD)
@@ -104,6 +114,7 @@ class MoEBlock(nn.Module):
         chunk = -(-T // tp.size)
         x_local = x_TD[tp.rank * chunk : (tp.rank + 1) * chunk]
         topk_w, topk_ids = self.gate(x_local)
+        self._count(topk_ids)
         y_local = ep_moe_forward(
             x_local,
             topk_w,

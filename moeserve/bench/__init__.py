@@ -1,0 +1,1 @@
+"""Benchmark clients for a running moeserve (or any OpenAI-compatible) server."""

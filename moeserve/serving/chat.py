@@ -1,0 +1,179 @@
+"""``POST /v1/chat/completions``: the conversation rendered with the model's chat template.
+
+Streaming sends, per choice, a first chunk with ``delta.role``, then content chunks, a last
+chunk with ``finish_reason``; then a usage chunk when ``stream_options.include_usage``, then
+``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from moeserve.serving.generation import Generation, merge
+from moeserve.serving.logprobs import chat_logprobs
+from moeserve.serving.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+    PromptTokensDetails,
+    Usage,
+)
+from moeserve.serving.sampling import build_params, check_unsupported, max_tokens_for
+from moeserve.serving.state import (
+    ServerState,
+    bad_request,
+    full_response,
+    new_id,
+    sse,
+    start_all,
+    stream_response,
+)
+from moeserve.tokenizer import TokenizerError
+
+
+def _as_dict(msg: ChatMessage) -> dict:
+    content = msg.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    # OpenAI's newer name for the system role; chat templates know "system"
+    role = "system" if msg.role == "developer" else msg.role
+    out = {"role": role, "content": content or ""}
+    if msg.name is not None:
+        out["name"] = msg.name
+    if msg.reasoning_content is not None:
+        out["reasoning_content"] = msg.reasoning_content
+    return out
+
+
+def render_prompt(
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template_kwargs: dict | None,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Token ids of the rendered conversation; 400 for what the template cannot render."""
+    if add_generation_prompt and continue_final_message:
+        raise bad_request(
+            "add_generation_prompt and continue_final_message cannot both be true",
+            "continue_final_message",
+        )
+    chat = [_as_dict(m) for m in messages]
+    if continue_final_message and chat[-1]["role"] != "assistant":
+        raise bad_request(
+            "continue_final_message needs an assistant message last", "continue_final_message"
+        )
+    try:
+        text = state.tokenizer.apply_chat_template(
+            chat, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+        )
+    except (TokenizerError, TypeError) as e:
+        raise bad_request(f"the chat template cannot render 'messages': {e}", "messages") from None
+    if continue_final_message:
+        final = chat[-1]["content"]
+        cut = text.rfind(final) if final else -1
+        if cut >= 0:
+            text = text[: cut + len(final)]
+    return state.encode(text, "messages", add_special_tokens=add_special_tokens)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    state.check_accepting()
+    model = state.model_name(req.model)
+    check_unsupported(req)
+    ids = render_prompt(
+        state,
+        req.messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+    )
+    requested = req.max_completion_tokens or req.max_tokens
+    field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    max_tokens = max_tokens_for(requested, len(ids), state.max_model_len, "messages", field)
+    top_n = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    params, options = build_params(req, state.defaults, max_tokens, logprobs=top_n)
+    request_id = new_id("chatcmpl")
+    g = Generation.create(request_id, ids, params, options, state.tokenizer)
+    await start_all(state, [g])
+    if req.stream:
+        return stream_response(_stream(state, req, model, g))
+    return await full_response(request, _collect(state, req, model, g))
+
+
+def _usage(g: Generation) -> Usage:
+    prompt, completion = len(g.prompt_ids), g.tracker.num_output_tokens
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=g.tracker.num_cached_tokens),
+    )
+
+
+def _logprobs(state: ServerState, req, token_ids, entries) -> ChatChoiceLogprobs | None:
+    if not req.logprobs:
+        return None
+    top_n = req.top_logprobs or 0
+    return ChatChoiceLogprobs(content=chat_logprobs(token_ids, entries or [], top_n, state.texts))
+
+
+async def _collect(
+    state: ServerState, req: ChatCompletionRequest, model: str, g: Generation
+) -> ChatCompletionResponse:
+    async for _ in merge([g], state.metrics):
+        pass
+    choices = [
+        ChatChoice(
+            index=i,
+            message=ChatResponseMessage(content=s.text),
+            logprobs=_logprobs(state, req, s.token_ids, s.logprobs),
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
+        for i, s in enumerate(g.tracker.samples)
+    ]
+    return ChatCompletionResponse(id=g.request_id, model=model, choices=choices, usage=_usage(g))
+
+
+async def _stream(
+    state: ServerState, req: ChatCompletionRequest, model: str, g: Generation
+) -> AsyncIterator[str]:
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=g.request_id, model=model, choices=choices, usage=usage))
+
+    yield chunk(
+        [
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            for i in range(req.n)
+        ]
+    )
+    async for _, deltas in merge([g], state.metrics):
+        choices = []
+        for d in deltas:
+            if not d.text and d.finish_reason is None and not req.logprobs:
+                continue
+            choices.append(
+                ChatChunkChoice(
+                    index=d.index,
+                    delta=DeltaMessage(content=d.text),
+                    logprobs=_logprobs(state, req, d.token_ids, d.logprobs),
+                    finish_reason=d.finish_reason,
+                    stop_reason=d.stop_reason,
+                )
+            )
+        if choices:
+            yield chunk(choices)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield chunk([], _usage(g))

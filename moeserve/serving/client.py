@@ -1,0 +1,272 @@
+"""The API server's side of the engine link: spawn the engine process, send it typed
+messages, and route its outputs to the request that waits for them (asyncio, ZeroMQ).
+
+One reader task takes every message from the engine and hands each RequestOutput to its
+request's queue, so a slow HTTP client only ever delays its own queue, never the engine.
+A watchdog notices an engine process that exits; every waiting request then ends with
+:class:`EngineDeadError` and the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from moeserve.core import RequestOutput, SamplingParams
+from moeserve.serving import messages as m
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process failed or exited; nothing more will come from it."""
+
+
+class RequestEndedError(RuntimeError):
+    """The server ended this request before it finished (shutdown timeout)."""
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is full (answered 503 with Retry-After)."""
+
+
+class RejectedError(ValueError):
+    """The engine refused the request as invalid (answered 400)."""
+
+
+class RequestStream:
+    """The outputs (deltas) of one request, in order, until one with ``finished``."""
+
+    def __init__(self, client: EngineClient, request_id: str) -> None:
+        self.client, self.request_id = client, request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def finish_sample(self, index: int, stop: str | None) -> None:
+        """Tell the engine that sample ``index`` ended at a stop string."""
+        self.client.send(m.FinishSample(self.request_id, index, stop))
+
+    def abort(self) -> None:
+        """Drop the request in the engine (its KV blocks are freed before the next step)."""
+        if not self.finished:
+            self.finished = True
+            self.client.abort(self.request_id)
+
+
+class EngineClient:
+    def __init__(self, proc: subprocess.Popen, ipc_dir: Path) -> None:
+        self.proc = proc
+        self.ctx = zmq.asyncio.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.pull = self.ctx.socket(zmq.PULL)
+        for sock in (self.push, self.pull):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.push.bind(f"ipc://{ipc_dir}/input")
+        self.pull.bind(f"ipc://{ipc_dir}/output")
+        self.ready: m.Ready | None = None
+        self.dead: str | None = None
+        self._closing = False
+        self._streams: dict[str, RequestStream] = {}
+        self._adds: dict[str, asyncio.Future[m.AddResult]] = {}
+        self._calls: dict[int, asyncio.Future[m.CallResult]] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+
+    # -- start and stop ---------------------------------------------------------------------
+
+    @classmethod
+    def spawn(cls, config: dict, ipc_dir: Path) -> EngineClient:
+        """Start the engine process for ``config`` (EngineConfig fields); call
+        :meth:`wait_ready` next, inside the event loop."""
+        spec = {
+            "config": config,
+            "input": f"ipc://{ipc_dir}/input",
+            "output": f"ipc://{ipc_dir}/output",
+            "parent_pid": os.getpid(),
+        }
+        # its own session: a terminal's Ctrl-C reaches only this process, which then stops
+        # the engine in order
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moeserve.serving.engine_core", json.dumps(spec)],
+            start_new_session=True,
+        )
+        return cls(proc, ipc_dir)
+
+    async def wait_ready(self) -> m.Ready:
+        """Wait until the engine has loaded (no time limit while its process lives). Raises
+        EngineDeadError with the engine's reason when it fails to start."""
+        while True:
+            if await self.pull.poll(200):
+                msg = m.decode(await self.pull.recv())
+                if isinstance(msg, m.Ready):
+                    self.ready = msg
+                    break
+                if isinstance(msg, m.EngineDead):
+                    self._reap()
+                    raise EngineDeadError(msg.message)
+                raise m.MessageError(f"expected Ready from the engine, got {type(msg).__name__}")
+            if self.proc.poll() is not None:
+                raise EngineDeadError(f"the engine process exited with code {self.proc.returncode}")
+        self._tasks = [
+            asyncio.create_task(self._read_outputs(), name="engine-outputs"),
+            asyncio.create_task(self._watch_process(), name="engine-watchdog"),
+        ]
+        return msg
+
+    async def shutdown(self, timeout: float = 30.0) -> int:
+        """Stop the engine (it stops its group's ranks) and wait; kill it after ``timeout``.
+        Returns the engine process's exit code."""
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        if self.proc.poll() is None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self.push.send(m.encode(m.Shutdown()))
+            deadline = asyncio.get_running_loop().time() + timeout
+            while self.proc.poll() is None and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+        code = self._reap()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self.push.close()
+        self.pull.close()
+        self.ctx.term()
+        return code
+
+    def _reap(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def send(self, msg: m.Message) -> None:
+        if self.dead is None and not self._closing:
+            self.push.send(m.encode(msg))  # zmq.asyncio: queued at once; never blocks here
+
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
+        """Queue a request; returns once the engine accepted it. Raises QueueFullError,
+        RejectedError or EngineDeadError."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if request_id in self._streams:
+            raise RejectedError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        accepted = asyncio.get_running_loop().create_future()
+        self._adds[request_id] = accepted
+        try:
+            self.send(m.AddRequest(request_id, prompt_token_ids, params))
+            result = await accepted
+        except BaseException:  # cancelled while waiting: the engine may have accepted it
+            self._adds.pop(request_id, None)
+            self._streams.pop(request_id, None)
+            self.abort(request_id)
+            raise
+        if result.error_kind is not None:
+            self._streams.pop(request_id, None)
+            if result.error_kind == "queue_full":
+                raise QueueFullError(result.message)
+            raise RejectedError(result.message)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.send(m.AbortRequests([request_id]))
+
+    def end_all(self, message: str) -> None:
+        """End every unfinished request now with RequestEndedError (shutdown timeout)."""
+        streams = list(self._streams.values())
+        if streams:
+            self.send(m.AbortRequests([s.request_id for s in streams]))
+        self._fail_all(RequestEndedError(message))
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def call(self, method: str, timeout: float = 10.0):
+        """Ask the engine (between two steps) and return its answer."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self.send(m.Call(call_id, method))
+            result = await asyncio.wait_for(future, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if result.error is not None:
+            raise RuntimeError(result.error)
+        return result.result
+
+    # -- background tasks --------------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = m.decode(await self.pull.recv())
+            if isinstance(msg, m.StepOutputs):
+                for out in msg.outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.queue.put_nowait(out)
+                        if out.finished:
+                            del self._streams[out.request_id]
+            elif isinstance(msg, m.AddResult):
+                future = self._adds.pop(msg.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(msg)
+            elif isinstance(msg, m.CallResult):
+                future = self._calls.get(msg.call_id)
+                if future is not None and not future.done():
+                    future.set_result(msg)
+            elif isinstance(msg, m.EngineDead):
+                self._die(msg.message)
+                return
+
+    async def _watch_process(self) -> None:
+        while self.proc.poll() is None:
+            await asyncio.sleep(0.2)
+        if not self._closing:
+            self._die(f"the engine process exited with code {self.proc.returncode}")
+
+    def _die(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        logger.error("engine failed: %s", reason)
+        self.dead = reason
+        self._fail_all(EngineDeadError(reason))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+        for future in (*self._adds.values(), *self._calls.values()):
+            if not future.done():
+                future.set_exception(error)
+        self._adds.clear()

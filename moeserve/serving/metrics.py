@@ -1,0 +1,130 @@
+"""Prometheus metrics of the server (``/metrics``), with vLLM's names under ``moeserve:``.
+
+Latencies and token counts are observed here, in the API server, as clients see them. Queue
+lengths, KV-cache use, prefix-cache counters and the tokens routed to each expert come from
+the engine (``stats``), fetched when ``/metrics`` is scraped and exported by a collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5)
+_TTFT_BUCKETS += (5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_ITL_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0)
+_LONG_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0)
+_LONG_BUCKETS += (60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Exports the last engine stats snapshot (see ``LLMEngine.stats``)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.stats
+        if st is None:
+            return
+        name = self.model_name
+        per_engine = [
+            ("num_requests_running", "Requests running (holding KV blocks).", "num_running"),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (0 to 1).",
+                "kv_cache_usage",
+            ),
+        ]
+        for metric, doc, key in per_engine:
+            g = GaugeMetricFamily(f"moeserve:{metric}", doc, labels=["model_name", "engine"])
+            for i, replica in enumerate(st["replicas"]):
+                g.add_metric([name, str(i)], replica[key])
+            yield g
+        for metric, doc in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+            ("num_preemptions", "Sequences preempted (KV freed, recomputed later)."),
+        ):
+            c = CounterMetricFamily(f"moeserve:{metric}", doc, labels=["model_name"])
+            c.add_metric([name], st[metric])
+            yield c
+        experts = st.get("expert_counts") or {}
+        if not experts:
+            return
+        tokens = CounterMetricFamily(
+            "moeserve:expert_tokens",
+            "Tokens routed to each expert of each MoE layer.",
+            labels=["model_name", "layer", "expert"],
+        )
+        ratio = GaugeMetricFamily(
+            "moeserve:expert_load_max_mean_ratio",
+            "Per MoE layer: the busiest expert's token count over the mean (1 = balanced), "
+            "over all tokens since start.",
+            labels=["model_name", "layer"],
+        )
+        for layer, counts in sorted(experts.items(), key=lambda kv: int(kv[0])):
+            for e, n in enumerate(counts):
+                tokens.add_metric([name, str(layer), str(e)], n)
+            total = sum(counts)
+            if total:
+                ratio.add_metric([name, str(layer)], max(counts) * len(counts) / total)
+        yield tokens
+        yield ratio
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = histogram(
+            "moeserve:time_to_first_token_seconds",
+            "Time from the request's arrival to its first output token.",
+            _TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "moeserve:inter_token_latency_seconds",
+            "Time between two outputs of a request.",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "moeserve:e2e_request_latency_seconds",
+            "Time from the request's arrival to its last token.",
+            _LONG_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "moeserve:request_queue_time_seconds",
+            "Time a request waited in the engine before its first step.",
+            _LONG_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "moeserve:prompt_tokens", "Prompt tokens of accepted requests.", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "moeserve:generation_tokens", "Tokens generated.", labels, registry=r
+        ).labels(model_name)
+        self._success = Counter(
+            "moeserve:request_success",
+            "Requests finished, by the finish reason of their first choice.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.model_name = model_name
+        self.engine = _EngineCollector(model_name)
+        r.register(self.engine)
+
+    def request_success(self, finished_reason: str) -> None:
+        self._success.labels(self.model_name, finished_reason).inc()
+
+    def set_engine_stats(self, stats: dict) -> None:
+        self.engine.stats = stats

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server import API_KEY, RunningServer, start_server
+
+
+@pytest.fixture(scope="package")
+def server() -> RunningServer:
+    """One server on the demo model for the e2e tests that do not stop or restrict it."""
+    srv = start_server("--api-key", API_KEY, "--enable-debug-endpoints", "--max-num-seqs", "64")
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.text()
+    assert not srv.engine_pids()
+
+
+@pytest.fixture()
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def aclient(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def http(server) -> httpx.Client:
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
+    ) as c:
+        yield c
+
+
+@pytest.fixture()
+def model(client) -> str:
+    return client.models.list().data[0].id

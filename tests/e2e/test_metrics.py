@@ -1,0 +1,93 @@
+"""``/metrics`` parses with prometheus-client's parser and its counters match what was sent."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from moeserve.demo import DEMO_CONFIG
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def _delta(after, before, name, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def _expert_sums(samples) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    for (name, labels), v in samples.items():
+        if name == "moeserve:expert_tokens_total":
+            layer = dict(labels)["layer"]
+            sums[layer] = sums.get(layer, 0.0) + v
+    return sums
+
+
+def test_counters_match_what_was_sent(server, http, client, model):
+    before = _scrape(server.url)
+    sent = []
+    for i in range(4):
+        r = client.completions.create(
+            model=model,
+            prompt=f"metrics request number {i} " * (i + 1),
+            max_tokens=5 + i,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        sent.append(r.usage)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "and a stream"}],
+        max_tokens=7,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    sent.append([c.usage for c in stream if c.usage is not None][0])
+    after = _scrape(server.url)
+
+    prompt = sum(u.prompt_tokens for u in sent)
+    generated = sum(u.completion_tokens for u in sent)
+    assert _delta(after, before, "moeserve:prompt_tokens_total") == prompt
+    assert _delta(after, before, "moeserve:generation_tokens_total") == generated
+    success = "moeserve:request_success_total"
+    assert _delta(after, before, success, finished_reason="length") == len(sent)
+    for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert _delta(after, before, f"moeserve:{hist}_seconds_count") == len(sent)
+    assert _delta(after, before, "moeserve:inter_token_latency_seconds_count") == generated - len(
+        sent
+    )
+    assert after[("moeserve:num_requests_running", (("engine", "0"),))] == 0
+    assert after[("moeserve:num_requests_waiting", (("engine", "0"),))] == 0
+    assert 0 <= after[("moeserve:kv_cache_usage_perc", (("engine", "0"),))] <= 1
+
+    # prefix cache: queries cover every prompt token, hits what usage reports as cached
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in sent)
+    assert _delta(after, before, "moeserve:prefix_cache_queries_total") == prompt
+    assert _delta(after, before, "moeserve:prefix_cache_hits_total") == cached
+
+    # every computed token was routed to top_k experts in each MoE layer
+    computed = sum(
+        u.prompt_tokens - u.prompt_tokens_details.cached_tokens + u.completion_tokens - 1
+        for u in sent
+    )
+    top_k = DEMO_CONFIG["num_experts_per_tok"]
+    moe_layers = [
+        str(i)
+        for i in range(DEMO_CONFIG["first_k_dense_replace"], DEMO_CONFIG["num_hidden_layers"])
+    ]
+    sums_before, sums_after = _expert_sums(before), _expert_sums(after)
+    assert sorted(sums_after) == moe_layers
+    for layer in moe_layers:
+        assert sums_after[layer] - sums_before.get(layer, 0.0) == top_k * computed
+        ratio = after[("moeserve:expert_load_max_mean_ratio", (("layer", layer),))]
+        assert ratio >= 1.0
