@@ -11,13 +11,17 @@ Every rank runs one :class:`LLMEngine` for its DP replica. Each step::
 
 Rank 0 assigns each request to the replica with the fewest unfinished sequences, so every DP
 replica owns its requests and KV cache. ``{cmd: stats}`` gathers every rank's
-:meth:`LLMEngine.stats`; ``{cmd: stop}`` ends the workers' loops.
+:meth:`LLMEngine.stats`; ``{cmd: ping}`` only wakes the workers (their wait is a collective
+with a timeout, so rank 0 pings a quiet group every few seconds from a background thread);
+``{cmd: stop}`` ends the workers' loops.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import threading
+import time
 
 import torch.distributed as dist
 
@@ -138,6 +142,17 @@ class EngineGroup:
         self._replica_of: dict[str, tuple[int, int]] = {}
         self._load = [0] * groups.dims.dp
         self.closed = False
+        # one command at a time on the wire: the caller's, or the keep-awake thread's ping
+        self._lock = threading.RLock()
+        self._last_command = time.monotonic()
+        self._stopping = threading.Event()
+        self._keeper = threading.Thread(
+            target=self._keep_awake,
+            args=(min(5.0, self.config.dist_timeout_s / 4),),
+            name="engine-group-keepalive",
+            daemon=True,
+        )
+        self._keeper.start()
 
     # what LLM and the CLI read from an engine
     @property
@@ -201,18 +216,14 @@ class EngineGroup:
         return bool(self._replica_of)
 
     def step(self) -> list[RequestOutput]:
-        if self.closed:
-            raise RuntimeError("the engine group has been shut down")
         msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts, "finish": self._finishes}
         self._adds, self._aborts, self._finishes = [], [], []
-        try:
+
+        def take_step() -> list[RequestOutput]:
             broadcast_json(msg, self.groups.world, 0)
-            outputs = exchange_outputs(self.groups, run_step(self.engine, self.groups, msg))
-        except Exception as e:
-            # the ranks are out of step (a peer died, or this rank failed): end the group
-            cause = self.workers.failure(wait_s=3.0) if self.workers is not None else None
-            self._close(kill=True)
-            raise RuntimeError(f"engine group stopped: {cause or e}") from e
+            return exchange_outputs(self.groups, run_step(self.engine, self.groups, msg))
+
+        outputs = self._collective(take_step)
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
@@ -223,31 +234,56 @@ class EngineGroup:
         (``replicas``, from each replica leader), prefix-cache counters and expert counts summed
         (each MoE layer's counts from the ranks that report them), and the self-check of
         every rank (``integrity``: "ok" or the first failure)."""
-        if self.closed:
-            raise RuntimeError("the engine group has been shut down")
-        broadcast_json({"cmd": STATS}, self.groups.world, 0)
-        per_rank = all_gather_json(self.engine.stats(), self.groups.world)
-        return merge_stats(per_rank, self.groups.dims)
+
+        def gather() -> list[dict]:
+            broadcast_json({"cmd": STATS}, self.groups.world, 0)
+            return all_gather_json(self.engine.stats(), self.groups.world)
+
+        return merge_stats(self._collective(gather), self.groups.dims)
 
     def keepalive(self) -> None:
-        """Wake the workers without a step. Their wait for rank 0's next message is a
-        collective with the group's timeout (``dist_timeout_s``), so a caller that may stay
-        idle longer (a server with no requests) calls this every few seconds."""
-        if self.closed:
-            raise RuntimeError("the engine group has been shut down")
-        try:
-            broadcast_json({"cmd": PING}, self.groups.world, 0)
-        except Exception as e:
-            cause = self.workers.failure(wait_s=3.0) if self.workers is not None else None
-            self._close(kill=True)
-            raise RuntimeError(f"engine group stopped: {cause or e}") from e
+        """Wake the workers without a step (their wait for rank 0's next message is a
+        collective with the group's timeout). A background thread calls this whenever the
+        group has been quiet for a few seconds, so an idle group never times out."""
+        self._collective(lambda: broadcast_json({"cmd": PING}, self.groups.world, 0))
 
     def rank_info(self) -> list[dict]:
         """:func:`rank_info` of every rank, in rank order."""
-        if self.closed:
-            raise RuntimeError("the engine group has been shut down")
-        broadcast_json({"cmd": INFO}, self.groups.world, 0)
-        return all_gather_json(rank_info(self.engine, self.groups), self.groups.world)
+
+        def gather() -> list[dict]:
+            broadcast_json({"cmd": INFO}, self.groups.world, 0)
+            return all_gather_json(rank_info(self.engine, self.groups), self.groups.world)
+
+        return self._collective(gather)
+
+    def _collective(self, fn):
+        """Run ``fn`` (rank 0's side of one command) alone; if it fails the ranks are out of
+        step (a peer died, or this rank failed), so the group ends: RuntimeError names why."""
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("the engine group has been shut down")
+            try:
+                return fn()
+            except Exception as e:
+                cause = self.workers.failure(wait_s=3.0) if self.workers is not None else None
+                self._close(kill=True)
+                raise RuntimeError(f"engine group stopped: {cause or e}") from e
+            finally:
+                self._last_command = time.monotonic()
+
+    def _keep_awake(self, interval_s: float) -> None:
+        while not self._stopping.wait(interval_s / 4):
+            if time.monotonic() - self._last_command < interval_s:
+                continue
+            if not self._lock.acquire(blocking=False):
+                continue  # a command is on the wire: no ping needed
+            try:
+                if not self.closed:
+                    self.keepalive()
+            except RuntimeError:
+                return  # the group failed: the caller's next command reports it
+            finally:
+                self._lock.release()
 
     def _forget(self, request_id: str) -> None:
         entry = self._replica_of.pop(request_id, None)
@@ -257,16 +293,20 @@ class EngineGroup:
 
     def shutdown(self) -> None:
         """Tell every worker to stop and wait for the spawned ones; idempotent."""
-        if self.closed:
-            return
-        try:
-            broadcast_json({"cmd": STOP}, self.groups.world, 0)
-        finally:
-            self._close(kill=False)
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                broadcast_json({"cmd": STOP}, self.groups.world, 0)
+            finally:
+                self._close(kill=False)
 
     def _close(self, kill: bool) -> None:
         self.closed = True
         atexit.unregister(self.shutdown)
+        self._stopping.set()  # the keep-alive thread never waits for the lock, so this joins
+        if self._keeper is not threading.current_thread():
+            self._keeper.join()
         if self.workers is not None and kill:
             self.workers.kill_all()
         elif self.workers is not None:

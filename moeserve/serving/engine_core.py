@@ -11,8 +11,8 @@ connects to both. Its loop, between two steps::
     engine.step()                    when there is work; its RequestOutputs (deltas) go out
                                      as one StepOutputs message
 
-With nothing to run it sleeps in ``poll`` until a message arrives (an engine group's workers
-are pinged every few seconds so their wait never times out). It stops on Shutdown, on SIGTERM,
+With nothing to run it sleeps in ``poll`` until a message arrives (an engine group keeps its
+own workers awake meanwhile). It stops on Shutdown, on SIGTERM,
 or when its parent dies, always shutting the engine group down first; an engine that fails
 sends EngineDead with the reason and exits 1.
 """
@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import sys
-import time
 
 import zmq
 
@@ -53,10 +52,6 @@ class EngineCore:
         self.inp, self.out = inp, out
         self.parent_pid = parent_pid
         self.stopping = False
-        # an engine group's workers wait for each step in a collective with a timeout
-        timeout = getattr(engine.config, "dist_timeout_s", 120.0)
-        self.keepalive_s = min(5.0, timeout / 4) if hasattr(engine, "keepalive") else None
-        self._last_wake = time.monotonic()
 
     def send(self, msg: m.Message) -> None:
         self.out.send(m.encode(msg))
@@ -72,16 +67,8 @@ class EngineCore:
                 break
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
-                self._last_wake = time.monotonic()
                 if outputs:
                     self.send(m.StepOutputs(outputs))
-            else:
-                self._idle_checks()
-
-    def _idle_checks(self) -> None:
-        if self.keepalive_s is not None and time.monotonic() - self._last_wake > self.keepalive_s:
-            self.engine.keepalive()
-            self._last_wake = time.monotonic()
 
     def _receive(self, timeout_ms: int) -> None:
         if not self.inp.poll(timeout_ms):

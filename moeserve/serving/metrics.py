@@ -84,6 +84,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 

@@ -217,3 +217,30 @@ def test_full_replicas_refuse_new_requests_at_rank_0(checkpoints):
         assert not group.has_unfinished_requests()
     finally:
         llm.shutdown()
+
+
+def test_idle_group_outlives_its_collective_timeout(checkpoints, reference):
+    """Workers wait for each step inside a collective with a timeout; a quiet group is kept
+    awake by rank 0's pings, so a pause longer than the timeout loses nothing. The group's
+    stats and finish_sample work across ranks too."""
+    llm = LLM(str(checkpoints["deepseek_v3"]), **ENGINE, **LAYOUTS["ep2-dp2"], dist_timeout_s=3.0)
+    try:
+        time.sleep(5)
+        assert_same(reference["deepseek_v3"][:2], llm.generate(prompts()[:2], PARAMS))
+        group = llm.engine
+        params = SamplingParams(max_tokens=50, n=2, ignore_eos=True, output_kind="delta")
+        group.add_request("s", [5, 6, 7], params)
+        group.step()
+        group.finish_sample("s", 0)
+        group.finish_sample("s", 1)
+        outs = []
+        while group.has_unfinished_requests():
+            outs += group.step()
+        final = [o for o in outs if o.request_id == "s"][-1]
+        assert final.finished and len(final.outputs) == 2
+        assert {c.finish_reason for c in final.outputs} == {"stop"}
+        stats = group.stats()
+        assert stats["integrity"] == "ok" and stats["num_running"] == 0
+        assert len(stats["replicas"]) == 2 and stats["expert_counts"]
+    finally:
+        llm.shutdown()

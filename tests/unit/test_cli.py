@@ -64,3 +64,25 @@ def test_bad_model_dir_is_a_one_line_error(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error:") and "does not exist" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_serve_fails_fast_on_a_busy_port_and_bad_flags(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = _run("serve", "--port", str(port), cache=tmp_path)
+    assert r.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    r = _run("serve", "--port", "70000", cache=tmp_path)
+    assert r.returncode == 2 and "port must be in" in r.stderr
+    r = _run("serve", "--model", str(tmp_path / "nowhere"), cache=tmp_path)
+    assert r.returncode == 2 and "tokenizer.json" in r.stderr
+
+
+def test_bench_serving_help_states_the_range_ratio_definition(tmp_path):
+    r = _run("bench", "serving", "--help", cache=tmp_path)
+    assert r.returncode == 0
+    assert "[L*(1-r), L*(1+r)]" in " ".join(r.stdout.split())
