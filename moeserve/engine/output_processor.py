@@ -201,9 +201,13 @@ class OutputProcessor:
                     continue
                 tokens = tokens[sample.num_tokens_sent :]
                 logprobs = logprobs[sample.num_tokens_sent :]
-                text = text[sample.num_chars_sent :]
+                # text a stop string could still claim stays back until the sample ends
+                stops = seq.params.stop
+                hold = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
+                end = max(sample.num_chars_sent, len(sample.text) - hold)
+                text = text[sample.num_chars_sent : end]
                 sample.num_tokens_sent = len(seq.output_token_ids)
-                sample.num_chars_sent = len(sample.text)
+                sample.num_chars_sent = end
                 sample.finish_sent = seq.is_finished
             want_lp = seq.params.logprobs is not None
             completions.append(

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from moeserve.serving.errors import bad_request
 from moeserve.serving.generation import Generation, merge
 from moeserve.serving.logprobs import chat_logprobs
 from moeserve.serving.protocol import (
@@ -29,7 +30,6 @@ from moeserve.serving.protocol import (
 from moeserve.serving.sampling import build_params, check_unsupported, max_tokens_for
 from moeserve.serving.state import (
     ServerState,
-    bad_request,
     full_response,
     new_id,
     sse,

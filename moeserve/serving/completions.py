@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from moeserve.serving.errors import bad_request
 from moeserve.serving.generation import Generation, merge
 from moeserve.serving.logprobs import completion_logprobs
 from moeserve.serving.protocol import (
@@ -24,7 +25,6 @@ from moeserve.serving.protocol import (
 from moeserve.serving.sampling import build_params, check_unsupported, max_tokens_for
 from moeserve.serving.state import (
     ServerState,
-    bad_request,
     full_response,
     new_id,
     sse,
@@ -73,9 +73,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             logprobs=want_lp,
             prompt_logprobs=want_lp if (req.echo and want_lp is not None) else None,
         )
-        g = Generation.create(f"{request_id}-{p}", ids, params, options, state.tokenizer, p)
-        g.prompt_text = text if text is not None else state.tokenizer.decode(ids, False)
-        generations.append(g)
+        text = text if text is not None else state.tokenizer.decode(ids, False)
+        generations.append(
+            Generation.create(f"{request_id}-{p}", ids, params, options, state.tokenizer, p, text)
+        )
     await start_all(state, generations)
     if req.stream:
         return stream_response(_stream(state, req, model, request_id, generations))

@@ -42,9 +42,18 @@ class Generation:
         options: TextOptions,
         tokenizer: Tokenizer,
         prompt_index: int = 0,
+        prompt_text: str = "",
     ) -> Generation:
         tracker = RequestTracker(tokenizer, prompt_ids, params.n, options)
-        return cls(request_id, prompt_ids, params, tracker, prompt_index, arrival=time.monotonic())
+        return cls(
+            request_id,
+            prompt_ids,
+            params,
+            tracker,
+            prompt_index,
+            prompt_text,
+            arrival=time.monotonic(),
+        )
 
     async def start(self, client: EngineClient, metrics: ServerMetrics) -> None:
         """Queue the request; raises QueueFullError / RejectedError / EngineDeadError."""

@@ -133,6 +133,7 @@ async def _serve(
         )
     )
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
     logger.info(
         "serving %s (%s, max_model_len %d, %d rank(s)) on http://%s:%d",
         names[0],

@@ -138,3 +138,26 @@ def test_engine_death_fails_requests_and_stops_the_server():
     assert events[-1] == "data: [DONE]"
     assert "engine" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
     assert not srv.engine_pids()
+
+
+def test_a_client_that_does_not_read_never_stalls_the_engine(server, http, client, model):
+    """A streams 1500 tokens to a client that reads nothing; meanwhile B completes, and the
+    engine keeps producing A's tokens (they queue in the API server, not in the engine)."""
+    from tests.e2e.test_metrics import _scrape
+
+    def generated() -> float:
+        return _scrape(server.url)[("moeserve:generation_tokens_total", ())]
+
+    body = {"prompt": "slow reader", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, headers=HEADERS, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200  # headers only; the body is never read
+            before = generated()
+            b = client.completions.create(
+                model=model, prompt="fast reader", max_tokens=40, extra_body={"ignore_eos": True}
+            )
+            assert b.usage.completion_tokens == 40
+            time.sleep(1.0)
+            assert generated() - before > 40 + 20  # A kept generating while unread
+            assert http.get("/debug/engine").json()["num_running"] == 1
+    _wait_idle(http)

@@ -91,3 +91,16 @@ def test_stats_count_routed_tokens(engine):
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 11
     assert after["integrity"] == "ok"
     assert after["num_running"] == after["num_waiting"] == 0
+
+
+def test_delta_text_never_shows_what_a_stop_string_takes_back(engine):
+    full = _run(engine, "t0", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    text = full[-1].outputs[0].text
+    at = next(i for i in range(3, len(text) - 4) if text.find(text[i : i + 4]) == i)
+    stop = text[at : at + 4]
+    params = SamplingParams(
+        max_tokens=30, temperature=0, ignore_eos=True, stop=stop, output_kind="delta"
+    )
+    deltas = _run(engine, "t1", params)
+    assert "".join(c.text for o in deltas for c in o.outputs) == text[:at]
+    assert deltas[-1].outputs[-1].finish_reason == "stop"
