@@ -182,7 +182,8 @@ class WorkerProcesses:
     def __init__(self, specs: list[LaunchSpec], config: EngineConfig, bindings) -> None:
         self._errdir = tempfile.mkdtemp(prefix="moeserve-ranks-")
         self.procs: dict[int, subprocess.Popen] = {}
-        self._stopping = False
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._failure: str | None = None
         for spec in specs:
             env = dict(os.environ, MOESERVE_ERROR_FILE=self._error_file(spec.rank))
@@ -224,10 +225,9 @@ class WorkerProcesses:
 
     def watch(self, group: EngineGroup) -> None:
         def loop() -> None:
-            while not self._stopping:
-                time.sleep(0.5)
+            while not self._stopping.wait(0.5):
                 failure = self.failure()
-                if failure is None or self._stopping:
+                if failure is None or self._stopping.is_set():
                     continue
                 logger.error("engine group: %s; stopping every rank", failure)
                 self.kill_all()
@@ -240,10 +240,19 @@ class WorkerProcesses:
                     os._exit(1)
                 return
 
-        threading.Thread(target=loop, name="moeserve-rank-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=loop, name="moeserve-rank-watch", daemon=True)
+        self._watcher.start()
+
+    def _stop_watching(self) -> None:
+        """End the watcher and wait for it: a daemon thread still holding the engine when the
+        interpreter exits would free its tensors during finalization and abort the process."""
+        self._stopping.set()
+        w = self._watcher
+        if w is not None and w is not threading.current_thread():
+            w.join()
 
     def kill_all(self) -> None:
-        self._stopping = True
+        self._stop_watching()
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
@@ -252,7 +261,7 @@ class WorkerProcesses:
 
     def join(self, timeout: float = 30.0) -> None:
         """Wait for the ranks to exit after a stop; kill what is left."""
-        self._stopping = True
+        self._stop_watching()
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
             try:

@@ -1,83 +1,38 @@
-"""Build, load and call the CPU decode kernels of ``kernels.c``: the few-row fp32 GEMM, the
-routed-expert FFN of a MoE layer, RMSNorm and DeepSeek's grouped routing, each for at most
-``MAX_ROWS`` token rows, each with its pure-torch reference named in its docstring.
-
-The C source is compiled once per source version with the system C compiler into
-``$MOESERVE_CACHE/kernels`` and loaded with ctypes (no torch headers, so it builds in about a
-second). Loaded after torch, its OpenMP calls bind to the ``libgomp.so.1`` torch already
-loaded, so it uses torch's thread pool and ``torch.set_num_threads``. When the CPU lacks
-AVX2/FMA, no compiler is found, or ``MOESERVE_CPU_KERNELS=0``, :func:`available` is False and
-callers use the references.
+"""The CPU decode kernels of ``kernels.c``: the few-row fp32 GEMM, the routed-expert FFN of a
+MoE layer, RMSNorm and DeepSeek's grouped routing, each for at most ``MAX_ROWS`` token rows,
+each with its pure-torch reference named in its docstring. ``ops/cpu/build.py`` compiles and
+loads the source; when that is not possible :func:`available` is False and callers use the
+references.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from moeserve.config import cpu_flags, default_cache_dir
-
-logger = logging.getLogger(__name__)
+from moeserve.ops.cpu import build
+from moeserve.ops.cpu.build import F32, I64, INT, PTR
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 MAX_ROWS = 64  # measured faster than MKL's GEMM up to 64 rows here (docs/benchmarks.md)
 
 
-def _compile(out: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) found")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-        cmd = [cc, *flags, str(_SOURCE), "-o", tmp, "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, out)  # atomic: concurrent builders agree on one file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("MOESERVE_CPU_KERNELS", "1") == "0":
+    lib = build.load(_SOURCE)
+    if lib is None:
         return None
-    if not {"avx2", "fma"} <= cpu_flags():
-        return None
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    path = Path(default_cache_dir()) / "kernels" / f"kernels-{digest}.so"
-    try:
-        if not path.is_file():
-            _compile(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        logger.warning("CPU kernels unavailable, using the torch references: %s", detail)
-        return None
-    fn = lib.moeserve_gemm_nt_small
-    fn.restype = None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, i64]
-    norm = lib.moeserve_rms_norm
-    norm.restype = None
-    norm.argtypes = [i64, i64, ptr, i64, ptr, ctypes.c_float, ptr, i64]
-    route = lib.moeserve_route_grouped_sigmoid
-    route.restype = None
-    route.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_float, ptr, ptr]
-    moe = lib.moeserve_moe_small
-    moe.restype = None
-    moe.argtypes = [i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    build.declare(lib, "moeserve_gemm_nt_small", I64, I64, I64, PTR, I64, PTR, I64, PTR, I64)
+    build.declare(lib, "moeserve_rms_norm", I64, I64, PTR, I64, PTR, F32, PTR, I64)
+    build.declare(
+        lib, "moeserve_route_grouped_sigmoid", I64, I64, I64, I64, I64, PTR, PTR, INT, F32, PTR, PTR
+    )
+    build.declare(
+        lib, "moeserve_moe_small", I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR
+    )
     return lib
 
 
