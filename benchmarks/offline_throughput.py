@@ -1,10 +1,13 @@
 """Offline throughput: moeserve against transformers on the benchmark model, in one run.
 
-Prints decode tokens/s at batch 1, 8 and 32 and prefill tokens/s for one 512-token prompt,
-the ratio moeserve / transformers, and the decode memory-bandwidth roofline (bytes of weights
-and KV a step touches / the read bandwidth this script measures). Writes the table as JSON.
+For each weight format (fp32, and int8 weight-only quantization): decode tokens/s at batch 1,
+8, 32 and 64 and prefill tokens/s of one 512- and one 2048-token prompt; transformers'
+``generate`` and forward on the same checkpoint in fp32; the roofline of each case (decode:
+bytes a step reads / the read bandwidth measured here; prefill: FLOPs / the fp32 GEMM peak
+measured here) and the fraction of it reached. Prints a table, writes JSON and a plot of
+tokens/s against batch size with the rooflines drawn in.
 
-    python benchmarks/offline_throughput.py [--threads 2] [--dtype float32] [--out FILE]
+    python benchmarks/offline_throughput.py [--formats fp32,int8] [--threads 2] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -22,46 +25,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import BENCH_CONFIG, bench_model_path  # noqa: E402
+from roofline import (  # noqa: E402
+    decode_bytes_per_step,
+    measure_gemm_peak,
+    measure_read_bandwidth,
+    prefill_flops,
+)
 
 from moeserve import LLM, SamplingParams  # noqa: E402
 
 PROMPT_LEN = 32
 _ids = itertools.count()
-
-
-def measure_read_bandwidth(device: str = "cpu", gib: float = 1.0, repeats: int = 5) -> float:
-    """Best-of-N bytes/s for summing a large fp32 tensor (a streaming read)."""
-    t = torch.ones(int(gib * (1 << 30)) // 4, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        t.sum().item()
-        best = min(best, time.perf_counter() - t0)
-    return t.numel() * 4 / best
-
-
-def decode_bytes_per_step(batch: int, context: int, elem: int) -> float:
-    """Weights (and latent KV) one decode step reads, experts counted as expected distinct."""
-    c = BENCH_CONFIG
-    D, V, H = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
-    L, E, K = c["num_hidden_layers"], c["n_routed_experts"], c["num_experts_per_tok"]
-    F, nope, rope, v = (
-        c["moe_intermediate_size"],
-        c["qk_nope_head_dim"],
-        c["qk_rope_head_dim"],
-        c["v_head_dim"],
-    )
-    ql, kvl = c["q_lora_rank"], c["kv_lora_rank"]
-    attn = D * ql + ql * H * (nope + rope) + D * (kvl + rope) + kvl * H * (nope + v) + H * v * D
-    dense = 3 * D * c["intermediate_size"]
-    n_moe = L - c["first_k_dense_replace"]
-    shared = 3 * D * F * c["n_shared_experts"] + E * D
-    expert = 3 * D * F
-    distinct = E * (1 - (1 - K / E) ** batch)  # expected experts hit per layer
-    params = L * attn + c["first_k_dense_replace"] * dense + n_moe * (shared + distinct * expert)
-    params += V * D  # lm_head
-    kv = batch * context * (kvl + rope) * L
-    return (params + kv) * elem
 
 
 def time_moeserve_decode(llm: LLM, batch: int, new_tokens: int, vocab: int, repeats: int) -> float:
@@ -126,106 +100,172 @@ def time_hf_prefill(model, n: int, vocab: int, repeats: int = 3) -> float:
     return n / best
 
 
+def run_moeserve(args, fmt: str, model_dir: str, vocab: int) -> dict[str, float]:
+    """tokens/s of every case for one weight format."""
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        **({} if fmt == "fp32" else {"quantization": fmt}),
+        device=args.device,
+        max_num_seqs=max(args.batches),
+        max_model_len=max(args.prefill) + 64,
+        max_num_batched_tokens=max(max(args.prefill), 2048),
+        num_threads=args.threads,
+        progress=False,
+    )
+    out: dict[str, float] = {}
+    time_moeserve_decode(llm, 1, 4, vocab, 1)  # warm-up
+    for b in args.batches:
+        out[f"decode_b{b}"] = time_moeserve_decode(llm, b, args.new_tokens, vocab, args.repeats)
+    time_moeserve_prefill(llm, 64, vocab, repeats=1)
+    for n in args.prefill:
+        out[f"prefill_{n}"] = time_moeserve_prefill(llm, n, vocab)
+    if args.profile:
+        from moeserve.profiling import profile_to
+
+        with profile_to(Path(args.profile) / f"{fmt}-decode-b{args.profile_batch}", top=30):
+            _moeserve_decode_once(llm, args.profile_batch, args.new_tokens, vocab)
+        with profile_to(Path(args.profile) / f"{fmt}-prefill-{args.prefill[0]}", top=30):
+            time_moeserve_prefill(llm, args.prefill[0], vocab, repeats=1)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    return out
+
+
+def run_transformers(args, model_dir: str, vocab: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = hf.to(args.device).eval()
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        for b in args.batches:
+            out[f"decode_b{b}"] = time_hf_decode(hf, b, args.new_tokens, vocab, args.repeats)
+        for n in args.prefill:
+            out[f"prefill_{n}"] = time_hf_prefill(hf, n, vocab)
+    del hf
+    gc.collect()
+    return out
+
+
+def rooflines(args, fmt: str, bandwidth: float, peak: float) -> dict[str, float]:
+    """tokens/s each case would reach at the measured bandwidth (decode) or GEMM peak."""
+    ctx = PROMPT_LEN + args.new_tokens // 2  # mean context over the timed steps
+    roof = {
+        f"decode_b{b}": b * bandwidth / decode_bytes_per_step(BENCH_CONFIG, b, ctx, fmt)
+        for b in args.batches
+    }
+    for n in args.prefill:
+        roof[f"prefill_{n}"] = n * peak / prefill_flops(BENCH_CONFIG, n)
+    return roof
+
+
+def plot(path: Path, args, results: dict, roofs: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"fp32": "tab:blue", "int8": "tab:orange", "transformers": "tab:gray"}
+    for name, tps in results.items():
+        ys = [tps[f"decode_b{b}"] for b in args.batches]
+        label = f"moeserve {name}" if name != "transformers" else "transformers fp32"
+        ax.plot(args.batches, ys, "o-", color=colors.get(name), label=label)
+    for fmt, roof in roofs.items():
+        ys = [roof[f"decode_b{b}"] for b in args.batches]
+        ax.plot(args.batches, ys, "--", color=colors.get(fmt), label=f"roofline {fmt}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(args.batches, [str(b) for b in args.batches])
+    ax.set_xlabel("batch (sequences decoding together)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("benchmark model, CPU, decode throughput against the memory roofline")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--formats", default="fp32,int8", help="weight formats: fp32, int8")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (transformers runs there too)")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--prefill", default="512,2048", help="prompt lengths of the prefill cases")
     ap.add_argument("--repeats", type=int, default=2, help="decode runs per case; best kept")
     ap.add_argument("--model", default=None, help="default: the benchmark model (created once)")
     ap.add_argument("--skip-hf", action="store_true", help="moeserve only")
+    ap.add_argument("--profile", metavar="DIR", help="also trace one decode and one prefill")
+    ap.add_argument("--profile-batch", type=int, default=1)
     ap.add_argument("--out", default="bench_out/offline_throughput.json")
+    ap.add_argument("--plot", default="bench_out/offline_throughput.png")
     args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.prefill = [int(n) for n in args.prefill.split(",")]
+    formats = args.formats.split(",")
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    batches = [int(b) for b in args.batches.split(",")]
     model_dir = args.model or str(bench_model_path())
     vocab = BENCH_CONFIG["vocab_size"]
 
     bandwidth = measure_read_bandwidth(args.device)
-    rows: dict[str, dict[str, float]] = {}
-
-    llm = LLM(
-        model=model_dir,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=max(batches),
-        max_model_len=1024,
-        num_threads=args.threads,
-        progress=False,
-    )
-    time_moeserve_decode(llm, 1, 4, vocab, 1)  # warm-up
-    for b in batches:
-        rows[f"decode_b{b}"] = {
-            "moeserve": time_moeserve_decode(llm, b, args.new_tokens, vocab, args.repeats)
-        }
-    time_moeserve_prefill(llm, 64, vocab, repeats=1)
-    rows[f"prefill_{args.prefill}"] = {"moeserve": time_moeserve_prefill(llm, args.prefill, vocab)}
-    del llm
-    gc.collect()
-
+    peak = measure_gemm_peak(args.device)
+    results: dict[str, dict[str, float]] = {}
+    for fmt in formats:
+        results[fmt] = run_moeserve(args, fmt, model_dir, vocab)
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
+        results["transformers"] = run_transformers(args, model_dir, vocab)
+    roofs = {fmt: rooflines(args, fmt, bandwidth, peak) for fmt in formats}
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
-        with torch.inference_mode():
-            for b in batches:
-                rows[f"decode_b{b}"]["transformers"] = time_hf_decode(
-                    hf, b, args.new_tokens, vocab, args.repeats
-                )
-            rows[f"prefill_{args.prefill}"]["transformers"] = time_hf_prefill(
-                hf, args.prefill, vocab
+    print(
+        f"\nbenchmark model, {args.threads} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"fp32 GEMM peak {peak / 1e9:.0f} GFLOP/s, {platform.processor() or platform.machine()}"
+    )
+    cols = ("case", "format", "tok/s", "transformers", "ratio", "roofline", "of roof", "vs fp32")
+    print(f"{cols[0]:<14}{cols[1]:<8}" + "".join(f"{c:>13}" for c in cols[2:]))
+    table = []
+    hf = results.get("transformers", {})
+    for case in results[formats[0]]:
+        for fmt in formats:
+            tps, roof = results[fmt][case], roofs[fmt][case]
+            row = dict(
+                case=case, format=fmt, tokens_per_s=tps, roofline=roof, of_roofline=tps / roof
             )
-        del hf
-        gc.collect()
-
-    elem = torch.empty(0, dtype=dtype).element_size()
-    for b in batches:
-        ctx = PROMPT_LEN + args.new_tokens // 2
-        roof = b * bandwidth / decode_bytes_per_step(b, ctx, elem)
-        row = rows[f"decode_b{b}"]
-        row["roofline"] = roof
-        row["fraction_of_roofline"] = row["moeserve"] / roof
-    for row in rows.values():
-        if "transformers" in row:
-            row["ratio"] = row["moeserve"] / row["transformers"]
-
-    print(
-        f"\nbenchmark model, {args.dtype}, {args.threads} threads, "
-        f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {platform.processor() or platform.machine()}"
-    )
-    print(
-        f"{'case':<14}{'moeserve tok/s':>16}{'transformers':>14}{'ratio':>8}"
-        f"{'roofline':>10}{'of roof':>9}"
-    )
-    for name, row in rows.items():
-        hf_s = f"{row['transformers']:.1f}" if "transformers" in row else "-"
-        ratio = f"{row['ratio']:.2f}x" if "ratio" in row else "-"
-        roof = f"{row['roofline']:.1f}" if "roofline" in row else "-"
-        frac = f"{row['fraction_of_roofline']:.0%}" if "roofline" in row else "-"
-        print(f"{name:<14}{row['moeserve']:>16.1f}{hf_s:>14}{ratio:>8}{roof:>10}{frac:>9}")
+            if case in hf:
+                row.update(transformers=hf[case], ratio=tps / hf[case])
+            if "fp32" in results and fmt != "fp32":
+                row["vs_fp32"] = tps / results["fp32"][case]
+            table.append(row)
+            cells = [
+                f"{tps:.1f}",
+                f"{hf[case]:.1f}" if case in hf else "-",
+                f"{row['ratio']:.2f}x" if "ratio" in row else "-",
+                f"{roof:.1f}",
+                f"{tps / roof:.0%}",
+                f"{row['vs_fp32']:.2f}x" if "vs_fp32" in row else "-",
+            ]
+            print(f"{case:<14}{fmt:<8}" + "".join(f"{c:>13}" for c in cells))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "dtype": args.dtype,
-                "threads": args.threads,
-                "bandwidth_bytes_per_s": bandwidth,
-                "new_tokens": args.new_tokens,
-                "prompt_len": PROMPT_LEN,
-                "results": rows,
-                "torch": torch.__version__,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    record = {
+        "threads": args.threads,
+        "bandwidth_bytes_per_s": bandwidth,
+        "gemm_peak_flops": peak,
+        "new_tokens": args.new_tokens,
+        "prompt_len": PROMPT_LEN,
+        "rows": table,
+        "torch": torch.__version__,
+    }
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
+    if args.plot:
+        plot(Path(args.plot), args, results, roofs)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,13 @@ import sys
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model directory (default: the built-in demo)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument(
+        "--quantization",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: weight-only int8 (per-output-channel scales), quantized at load from a "
+        "bf16, fp32 or FP8 checkpoint; activations stay fp32 (default: none)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -63,6 +70,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -110,7 +118,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     try:
-        _stream(llm, prompt, params, args.quiet)
+        if args.profile:
+            from moeserve.profiling import profile_to
+
+            with profile_to(args.profile):
+                _stream(llm, prompt, params, args.quiet)
+        else:
+            _stream(llm, prompt, params, args.quiet)
     finally:
         llm.shutdown()
     return 0
@@ -180,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    g.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="trace the generation with torch.profiler into DIR (trace.json for Perfetto, "
+        "top_ops.txt) and print the top operations; under spawned ranks, rank 0 only",
+    )
     g.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")

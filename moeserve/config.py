@@ -8,6 +8,8 @@ from functools import lru_cache
 
 import torch
 
+from moeserve.quant import normalize_quantization
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -74,6 +76,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
     load_mtp: bool = True
+    quantization: str | None = None  # None | "none" | "int8": weight-only, applied at load
     num_threads: int | None = None
     seed: int = 0
     progress: bool = True
@@ -104,6 +107,7 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         resolve_dtype(self.dtype, torch.device("cpu"))  # validates the name
+        object.__setattr__(self, "quantization", normalize_quantization(self.quantization))
         _ = self.parallel_dims  # validates the layout
         if self.numa_bind not in ("auto", "none"):
             raise ValueError(f"numa_bind must be auto or none, got {self.numa_bind!r}")
@@ -137,7 +141,10 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.dtype, self.torch_device)
+        device = self.torch_device
+        if self.dtype == "auto" and self.quantization == "int8" and device.type == "cpu":
+            return torch.float32  # the int8 CPU kernels take fp32 activations
+        return resolve_dtype(self.dtype, device)
 
 
 def default_cache_dir() -> str:

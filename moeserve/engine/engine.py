@@ -61,6 +61,7 @@ class LLMEngine:
             progress=config.progress and groups.rank == 0,
             groups=groups,
             moe_options=config.moe_options,
+            quantization=config.quantization,
         )
         self.load_rss_bytes = resident_bytes() - rss0  # what loading kept resident
         # an idle replica must still join the expert all-to-alls of a step

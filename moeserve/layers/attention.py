@@ -21,6 +21,7 @@ from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.cpu import attention as cpu_attention
 
 
 class GQAttention(nn.Module):
@@ -105,8 +106,7 @@ class GQAttention(nn.Module):
         out_THD = x_TD.new_empty(T, self.H, self.Hd)
         nd = meta.num_decodes
         if nd:
-            ctx_BL2GD = self.kv_cache[meta.decode_slots_BL]
-            out_THD[:nd] = self._attend_decode(q_THD[:nd], ctx_BL2GD, meta.decode_bias_B1L)
+            self._attend_decode(q_THD[:nd], meta, out_THD[:nd])
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             ctx_L2GD = (
@@ -129,15 +129,14 @@ class GQAttention(nn.Module):
         return out_HTD.transpose(0, 1)
 
     def _attend_decode(
-        self, q_BHD: torch.Tensor, ctx_BL2GD: torch.Tensor, bias_B1L: torch.Tensor
-    ) -> torch.Tensor:
-        B, L = ctx_BL2GD.shape[:2]
-        rep = self.H // self.G
-        # group query heads by their kv head: [B, G, rep, Hd] x [B, G, Hd, L]
-        q_BGrD = q_BHD.view(B, self.G, rep, self.Hd)
-        k_BGDL = ctx_BL2GD[:, :, 0].permute(0, 2, 3, 1)
-        v_BGLD = ctx_BL2GD[:, :, 1].permute(0, 2, 1, 3)
-        scores = torch.matmul(q_BGrD, k_BGDL).mul_(self.scale)  # [B, G, rep, L]
-        scores.add_(bias_B1L.view(B, 1, 1, L).to(scores.dtype))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_BHD.dtype)
-        return torch.matmul(probs, v_BGLD).reshape(B, self.H, self.Hd)
+        self, q_BHD: torch.Tensor, meta: AttentionMetadata, out_BHD: torch.Tensor
+    ) -> None:
+        """Writes the decodes' attention into ``out_BHD``: the paged kernel, or the gather
+        reference where it does not apply."""
+        args = (meta.decode_block_table_BN, meta.decode_context_lens_B, meta.block_size)
+        if cpu_attention.gqa_decode(q_BHD, self.kv_cache, *args, self.scale, out_BHD) is None:
+            out_BHD.copy_(
+                cpu_attention.gqa_decode_ref(
+                    q_BHD, self.kv_cache, meta.decode_slots_BL, meta.decode_bias_B1L, self.scale
+                )
+            )

@@ -8,13 +8,17 @@ Token layout of a step (T new tokens)::
     [ d0 d1 ... d{B_d-1} | p0 p0 p0 ... | p1 p1 ... ]
       one token per decode  one chunk per prefill sequence
 
-Decodes read their whole context through ``decode_slots_BL`` (padded, masked); a prefill chunk
-attends causally to its cached prefix plus itself through ``prefill_slots``.
+Decodes read their context straight from the paged cache through ``decode_block_table_BN`` and
+``decode_context_lens_B`` (the decode kernels of ``ops/cpu/attention.py``); the gather
+references read it through ``decode_slots_BL`` and ``decode_bias_B1L``, built from those on
+first use. A prefill chunk attends causally to its cached prefix plus itself through
+``slots_L``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -31,9 +35,32 @@ class PrefillChunk:
 class AttentionMetadata:
     num_decodes: int
     slot_mapping_T: torch.Tensor  # [T] where each new token's KV is written
-    decode_slots_BL: torch.Tensor | None  # [num_decodes, L_max] context slots, 0 where padded
-    decode_bias_B1L: torch.Tensor | None  # [num_decodes, 1, L_max] 0 for valid, -inf for padding
+    # [num_decodes, blocks of the longest context] int32 block ids, rows padded with 0
+    decode_block_table_BN: torch.Tensor | None
+    decode_context_lens_B: torch.Tensor | None  # [num_decodes] int32, the new token included
+    block_size: int
     prefills: tuple[PrefillChunk, ...]
+
+    @cached_property
+    def decode_slots_BL(self) -> torch.Tensor | None:
+        """[num_decodes, L_max] context slots, 0 where padded (built on first use)."""
+        if not self.num_decodes:
+            return None
+        lens_B, bs = self.decode_context_lens_B, self.block_size
+        pos_L = torch.arange(int(lens_B.max()), device=lens_B.device)
+        slots_BL = self.decode_block_table_BN[:, pos_L // bs].long() * bs + pos_L % bs
+        return slots_BL.masked_fill_(pos_L[None, :] >= lens_B[:, None], 0)
+
+    @cached_property
+    def decode_bias_B1L(self) -> torch.Tensor | None:
+        """[num_decodes, 1, L_max] 0 for context, -inf for padding (built on first use)."""
+        if not self.num_decodes:
+            return None
+        lens_B = self.decode_context_lens_B
+        pos_L = torch.arange(int(lens_B.max()), device=lens_B.device)
+        pad_BL = pos_L[None, :] >= lens_B[:, None]
+        bias_BL = torch.zeros(pad_BL.shape, device=lens_B.device)
+        return bias_BL.masked_fill_(pad_BL, float("-inf"))[:, None, :]
 
     @staticmethod
     def build(
@@ -43,48 +70,44 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Metadata for sequences whose decodes (``num_new == 1``) come first."""
+        """Metadata for sequences whose decodes (``num_new == 1``) come first. Plain Python
+        lists, then one tensor each: a few tensor ops per step, not per sequence."""
+        bs = block_size
         num_decodes = 0
         while num_decodes < len(num_new) and num_new[num_decodes] == 1:
             num_decodes += 1
 
-        def slots_of(table: list[int], start: int, stop: int) -> torch.Tensor:
-            pos = torch.arange(start, stop)
-            blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
-            return blocks * block_size + pos % block_size
+        def slots_of(table: list[int], start: int, stop: int) -> list[int]:
+            return [table[p // bs] * bs + p % bs for p in range(start, stop)]
 
-        slot_parts = [slots_of(t, s, s + n) for t, s, n in zip(block_tables, starts, num_new)]
-        slot_mapping_T = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.long)
-        decode_slots = decode_bias = None
-        if num_decodes:
-            lens = torch.tensor([s + 1 for s in starts[:num_decodes]])
-            L = int(lens.max())
-            n_blocks = (L + block_size - 1) // block_size
-            table_BN = torch.zeros(num_decodes, n_blocks, dtype=torch.long)
-            for b in range(num_decodes):
-                t = block_tables[b][:n_blocks]
-                table_BN[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-            pos_L = torch.arange(L)
-            decode_slots = table_BN[:, pos_L // block_size] * block_size + pos_L % block_size
-            valid_BL = pos_L[None, :] < lens[:, None]
-            decode_slots = decode_slots.masked_fill(~valid_BL, 0)
-            decode_bias = torch.zeros(num_decodes, 1, L).masked_fill_(
-                ~valid_BL[:, None, :], float("-inf")
-            )
+        slots: list[int] = []
+        for table, s, n in zip(block_tables, starts, num_new):
+            slots += slots_of(table, s, s + n)
         to = torch.device(device)
+        table_BN = lens_B = None
+        if num_decodes:
+            lens = [s + 1 for s in starts[:num_decodes]]
+            n_blocks = (max(lens) + bs - 1) // bs
+            rows = [t[:n_blocks] for t in block_tables[:num_decodes]]
+            rows = [r + [0] * (n_blocks - len(r)) for r in rows]
+            table_BN = torch.tensor(rows, dtype=torch.int32, device=to)
+            lens_B = torch.tensor(lens, dtype=torch.int32, device=to)
         prefills = []
         token_start = num_decodes
         for i in range(num_decodes, len(num_new)):
             s, n = starts[i], num_new[i]
             # a chunk that starts the sequence attends only to itself: no cache read needed
-            ctx = slots_of(block_tables[i], 0, s + n).to(to) if s > 0 else None
+            ctx = None
+            if s > 0:
+                ctx = torch.tensor(slots_of(block_tables[i], 0, s + n), device=to)
             prefills.append(PrefillChunk(token_start, n, s, ctx))
             token_start += n
         return AttentionMetadata(
             num_decodes=num_decodes,
-            slot_mapping_T=slot_mapping_T.to(to),
-            decode_slots_BL=None if decode_slots is None else decode_slots.to(to),
-            decode_bias_B1L=None if decode_bias is None else decode_bias.to(to),
+            slot_mapping_T=torch.tensor(slots, dtype=torch.long, device=to),
+            decode_block_table_BN=table_BN,
+            decode_context_lens_B=lens_B,
+            block_size=bs,
             prefills=tuple(prefills),
         )
 

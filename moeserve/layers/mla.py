@@ -30,6 +30,8 @@ from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.cpu import attention as cpu_attention
+from moeserve.quant.int8 import dense
 
 
 class MLAttention(nn.Module):
@@ -50,16 +52,16 @@ class MLAttention(nn.Module):
         self.C, self.R = c.kv_lora_rank, c.qk_rope_head_dim
         self.N, self.V = c.qk_nope_head_dim, c.v_head_dim
         D = c.hidden_size
-        if c.q_lora_rank:
-            self.q_a_proj = Linear(D, c.q_lora_rank, bias=c.attention_bias, dtype=dtype)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
-            self.q_b_proj = ColumnParallelLinear(
-                c.q_lora_rank, H * (self.N + self.R), tp, dtype=dtype
-            )
+        # the two down-projections of x (q_a_proj, kv_a_proj_with_mqa) are one weight
+        # [Q + C + R, D] (Q = q_lora_rank, 0 without a q LoRA): one weight stream, one call
+        self.Q = c.q_lora_rank or 0
+        self.qkv_a_proj = Linear(D, self.Q + self.C + self.R, bias=c.attention_bias, dtype=dtype)
+        if self.Q:
+            self.q_a_layernorm = RMSNorm(self.Q, c.rms_norm_eps, dtype)
+            self.q_b_proj = ColumnParallelLinear(self.Q, H * (self.N + self.R), tp, dtype=dtype)
             self.q_proj = None
         else:
             self.q_proj = ColumnParallelLinear(D, H * (self.N + self.R), tp, dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(D, self.C + self.R, bias=c.attention_bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.C, c.rms_norm_eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(self.C, H * (self.N + self.V), tp, dtype=dtype)
         self.o_proj = RowParallelLinear(H * self.V, D, tp, bias=c.attention_bias, dtype=dtype)
@@ -71,16 +73,26 @@ class MLAttention(nn.Module):
         self.w_uv_HCV: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
-        w = self.kv_b_proj.weight.view(self.H, self.N + self.V, self.C)
+        # an int8 kv_b_proj (quant/) is absorbed dequantized, in the model dtype
+        w = dense(self.kv_b_proj.weight, self.kv_a_layernorm.weight.dtype)
+        w = w.view(self.H, self.N + self.V, self.C)
         self.w_uk_HNC = w[:, : self.N, :].contiguous()
         self.w_uv_HCV = w[:, self.N :, :].transpose(1, 2).contiguous()
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         specs: dict[str, WeightSpec] = {}
-        names = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
-        names += (
-            ["q_proj"] if self.q_proj is not None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
-        )
+        fused = self.qkv_a_proj
+        parts = {"kv_a_proj_with_mqa": (self.Q, self.Q + self.C + self.R)}
+        if self.Q:
+            parts["q_a_proj"] = (0, self.Q)
+        for name, (a, b) in parts.items():
+            specs[f"{prefix}.{name}.weight"] = WeightSpec(
+                (b - a, fused.in_features), copy_into(fused.weight[a:b])
+            )
+            if fused.bias is not None:
+                specs[f"{prefix}.{name}.bias"] = WeightSpec((b - a,), copy_into(fused.bias[a:b]))
+        names = ["kv_a_layernorm", "kv_b_proj", "o_proj"]
+        names += ["q_proj"] if self.q_proj is not None else ["q_a_layernorm", "q_b_proj"]
         for name in names:
             mod = getattr(self, name)
             if isinstance(mod, RMSNorm):
@@ -94,23 +106,26 @@ class MLAttention(nn.Module):
     def forward(
         self, positions_T: torch.Tensor, x_TD: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        T = x_TD.shape[0]
+        T, Q = x_TD.shape[0], self.Q
+        qkv_a = self.qkv_a_proj(x_TD)  # [T, Q + C + R]
         if self.q_proj is not None:
             q = self.q_proj(x_TD)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+            q = self.q_b_proj(self.q_a_layernorm(qkv_a[:, :Q]))
         q_THK = q.view(T, self.H, self.N + self.R)
         q_nope_THN, q_pe_THR = q_THK.split([self.N, self.R], dim=-1)
         q_pe_THR = self.rotary(positions_T, q_pe_THR)
-        kv_a = self.kv_a_proj_with_mqa(x_TD)
-        c_kv_TC = self.kv_a_layernorm(kv_a[:, : self.C])
-        k_pe_TR = self.rotary(positions_T, kv_a[:, self.C :])
+        c_kv_TC = self.kv_a_layernorm(qkv_a[:, Q : Q + self.C])
+        k_pe_TR = self.rotary(positions_T, qkv_a[:, Q + self.C :])
         latent_T = torch.cat((c_kv_TC, k_pe_TR), dim=-1)
         if self.kv_cache is not None:
             self.kv_cache.index_copy_(0, meta.slot_mapping_T, latent_T)
 
-        out_THV = x_TD.new_empty(T, self.H, self.V)
         nd = meta.num_decodes
+        if nd and nd == T:  # decodes only: their output is the whole output
+            out_THV = self.forward_absorbed(q_nope_THN, q_pe_THR, meta)
+            return self.o_proj(out_THV.reshape(T, self.H * self.V))
+        out_THV = x_TD.new_empty(T, self.H, self.V)
         if nd:
             out_THV[:nd] = self.forward_absorbed(q_nope_THN[:nd], q_pe_THR[:nd], meta)
         for chunk in meta.prefills:
@@ -142,14 +157,32 @@ class MLAttention(nn.Module):
     def forward_absorbed(
         self, q_nope_BHN: torch.Tensor, q_pe_BHR: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Decodes (one query each) against their latent context, weights absorbed."""
-        ctx_BLK = self.kv_cache[meta.decode_slots_BL]  # [B, L, C + R]
-        # q_lat[b, h] = q_nope[b, h] @ W_UK[h]  -> [B, H, C]
-        q_lat_BHC = torch.bmm(q_nope_BHN.transpose(0, 1), self.w_uk_HNC).transpose(0, 1)
-        q_BHK = torch.cat((q_lat_BHC, q_pe_BHR), dim=-1)
-        scores_BHL = torch.bmm(q_BHK, ctx_BLK.transpose(1, 2)).mul_(self.scale)
-        scores_BHL.add_(meta.decode_bias_B1L.to(scores_BHL.dtype))
-        probs_BHL = torch.softmax(scores_BHL, dim=-1, dtype=torch.float32).to(q_BHK.dtype)
-        o_lat_BHC = torch.bmm(probs_BHL, ctx_BLK[:, :, : self.C])
+        """Decodes (one query each) against their latent context, weights absorbed. The
+        kernel reads each cached latent row once, straight from its block; the gather
+        reference (``mla_decode_ref``) runs where it does not apply."""
+        B = q_nope_BHN.shape[0]
+        # q_lat[b, h] = q_nope[b, h] @ W_UK[h]; head-major, as the bmms want it
+        q_lat_HBC = torch.bmm(q_nope_BHN.transpose(0, 1), self.w_uk_HNC)
+        o_lat_HBC = q_lat_HBC.new_empty(self.H, B, self.C)
+        done = cpu_attention.mla_decode(
+            q_lat_HBC.transpose(0, 1),
+            q_pe_BHR,
+            self.kv_cache,
+            meta.decode_block_table_BN,
+            meta.decode_context_lens_B,
+            meta.block_size,
+            self.scale,
+            out_BHC=o_lat_HBC.transpose(0, 1),
+        )
+        if done is None:
+            o_lat_BHC = cpu_attention.mla_decode_ref(
+                q_lat_HBC.transpose(0, 1),
+                q_pe_BHR,
+                self.kv_cache,
+                meta.decode_slots_BL,
+                meta.decode_bias_B1L,
+                self.scale,
+            )
+            o_lat_HBC = o_lat_BHC.transpose(0, 1)
         # out[b, h] = o_lat[b, h] @ W_UV[h]  -> [B, H, V]
-        return torch.bmm(o_lat_BHC.transpose(0, 1), self.w_uv_HCV).transpose(0, 1)
+        return torch.bmm(o_lat_HBC, self.w_uv_HCV).transpose(0, 1)

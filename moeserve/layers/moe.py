@@ -16,8 +16,10 @@ from moeserve.distributed.groups import Axis
 from moeserve.layers.linear import shard_range
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.cpu import int8 as int8_kernels
 from moeserve.ops.cpu import kernels
 from moeserve.ops.linear import linear, linear_into
+from moeserve.quant.int8 import as_int8
 
 
 def route_grouped_sigmoid(
@@ -132,12 +134,17 @@ def experts_sorted(
 ) -> torch.Tensor:
     """Rows already sorted by expert: the first ``slot_counts[0]`` rows go to expert 0, the
     next ``slot_counts[1]`` to expert 1, and so on. Returns each row's expert output times its
-    ``weight_R``, in the same order. One GEMM pair per expert that has rows."""
+    ``weight_R``, in the same order. One GEMM pair per expert that has rows. The weights may
+    be int8 (``quant/int8.py``)."""
     if x_RD.shape[0] == 0:
         return torch.empty_like(x_RD)
     experts = [e for e, n in enumerate(slot_counts) if n]
     counts = [slot_counts[e] for e in experts]
-    if kernels.moe_usable(x_RD, counts, w13_EFD, w2_EDF):
+    q13, q2 = as_int8(w13_EFD), as_int8(w2_EDF)
+    if q13 is not None and q2 is not None:
+        if int8_kernels.moe_usable(x_RD, counts, q13, q2):
+            return int8_kernels.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
+    elif kernels.moe_usable(x_RD, counts, w13_EFD, w2_EDF):
         return kernels.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
     y_RD = torch.empty_like(x_RD)
     F2 = w13_EFD.shape[1]

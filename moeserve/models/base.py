@@ -248,4 +248,6 @@ def relayout_kn(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         if p.dim() < 2 or "embed_tokens" in name or name.endswith("gate.weight"):
             continue
+        if not p.is_floating_point():
+            continue  # int8 weights (quant/) keep the [N, K] rows their kernels stream
         p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)

@@ -16,6 +16,7 @@ from moeserve.models.base import MoECausalLM
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.registry import model_class
 from moeserve.models.weights import INDEX_FILE, LoadReport, checkpoint_files, load_checkpoint
+from moeserve.quant.apply import apply_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ def load_model(
     progress: bool = True,
     groups: ParallelGroups | None = None,
     moe_options: MoEOptions | None = None,
+    quantization: str | None = None,
 ) -> tuple[MoECausalLM, ModelConfig, LoadReport]:
-    """Build this rank's part of the model and read only its tensors (or their slices)."""
+    """Build this rank's part of the model and read only its tensors (or their slices).
+    With ``quantization="int8"`` the weights are quantized as they are read (``quant/``)."""
     config = ModelConfig.from_dir(model_dir)
     groups = groups or ParallelGroups.single()
     check_layout(config, groups.dims, moe_options or MoEOptions())
@@ -70,6 +73,7 @@ def load_model(
             groups=groups,
             moe_options=moe_options,
         )
+    apply_quantization(model, quantization)
     report = load_checkpoint(
         model_dir,
         model.weight_specs(),

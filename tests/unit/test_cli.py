@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -86,3 +87,24 @@ def test_bench_serving_help_states_the_range_ratio_definition(tmp_path):
     r = _run("bench", "serving", "--help", cache=tmp_path)
     assert r.returncode == 0
     assert "[L*(1-r), L*(1+r)]" in " ".join(r.stdout.split())
+
+
+def test_generate_profile_writes_a_trace_and_prints_the_top_ops(tmp_path):
+    prof = tmp_path / "prof"
+    r = _run(
+        "generate",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "4",
+        "-q",
+        "--profile",
+        str(prof),
+        cache=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    trace = json.loads((prof / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "moeserve" in names and any(str(n).startswith("aten::") for n in names)
+    assert "Self CPU time total" in r.stderr and str(prof / "trace.json") in r.stderr
+    assert "Self CPU" in (prof / "top_ops.txt").read_text()

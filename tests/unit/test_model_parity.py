@@ -73,3 +73,33 @@ def test_greedy_32_tokens_match_transformers(pair):
         out = llm.generate(ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
         assert out.outputs[0].token_ids == ref, kind
         assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "overrides", [dict(q_lora_rank=None), dict(attention_bias=True)], ids=["no-q-lora", "bias"]
+)
+def test_deepseek_variants_match_transformers(tmp_path, overrides):
+    """MLA without a query LoRA (q_proj straight from x, as DeepSeek-V2-Lite) and with
+    projection biases (loaded into the fused q_a/kv_a projection)."""
+    hf = build_hf_model("deepseek_v3", **overrides)
+    if overrides.get("attention_bias"):
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("bias") and "correction" not in name:
+                    p.normal_(0, 0.5)
+    path = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    llm = LLM(model=str(path), dtype="float32", max_model_len=512, progress=False)
+    ids = _prompt(3, 41)
+    out = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    got = torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert (got - want).abs().max().item() < 1e-4
+    greedy = llm.generate(ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref_ids = hf.generate(
+            torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False
+        )[0, len(ids) :].tolist()
+    assert greedy.outputs[0].token_ids == ref_ids
+    llm.engine.scheduler.check_integrity()

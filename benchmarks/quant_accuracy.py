@@ -1,0 +1,162 @@
+"""Accuracy of int8 weight-only quantization against fp32 on the benchmark model.
+
+Engines on the same checkpoint (``benchmarks/bench_model.py``) see the same random prompts:
+
+    fp32     fp32 weights and activations: the reference
+    int8     ``quantization="int8"`` (fp32 activations)
+    oracle   the fp32 engine with its weights replaced in place by ``q * scale``: what the
+             int8 engine holds, so int8 against oracle isolates the kernels (~1e-6 expected)
+    bf16     bf16 weights and activations, no quantization: how much this model moves under
+             a perturbation of the same order (its random weights make it chaotic: routing
+             flips between near-tied experts)
+
+Against fp32, for each: prompt log-probabilities (for every position after the first, the
+log-probability of the prompt's token; mean and max absolute difference, and how often the
+most likely token agrees) and greedy continuations (how many prompts continue identically,
+where the others first diverge). Prints a table and writes JSON (``--out``).
+
+    python benchmarks/quant_accuracy.py [--prompts 8] [--prompt-len 128] [--new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import bench_model_path  # noqa: E402
+
+from moeserve import LLM, SamplingParams  # noqa: E402
+from moeserve.quant.apply import int8_targets  # noqa: E402
+from moeserve.quant.int8 import quantize_rows  # noqa: E402
+
+
+def evaluate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Per prompt: [(logprob of the prompt token, most likely token)] for positions 1.., and
+    the greedy continuation."""
+    scored = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    greedy = llm.generate(
+        prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    )
+    positions = []
+    for prompt, out in zip(prompts, scored):
+        rows = []
+        for tok, pos in zip(prompt[1:], out.prompt_logprobs[1:]):
+            top = next(t for t, lp in pos.items() if lp.rank == 1)
+            rows.append((pos[tok].logprob, top))
+        positions.append(rows)
+    return {"positions": positions, "tokens": [list(o.outputs[0].token_ids) for o in greedy]}
+
+
+@torch.no_grad()
+def fake_quantize(llm: LLM) -> None:
+    """Replace every weight int8 would quantize by ``q * scale`` in fp32, in place."""
+    model = llm.engine.model
+    for module, name in list(int8_targets(model)):
+        p = getattr(module, name)
+        q, scale = quantize_rows(p.data)
+        p.data.copy_(q.float() * scale.unsqueeze(-1))
+    model.process_weights_after_loading()  # MLA's absorbed weights from the new kv_b_proj
+
+
+def compare(ref: dict, got: dict) -> dict:
+    pairs = [(a, b) for pa, pb in zip(ref["positions"], got["positions"]) for a, b in zip(pa, pb)]
+    diffs = [abs(a[0] - b[0]) for a, b in pairs]
+    div = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        for a, b in zip(ref["tokens"], got["tokens"])
+    ]
+    return {
+        "mean_abs_logprob_diff": statistics.fmean(diffs),
+        "max_abs_logprob_diff": max(diffs),
+        "argmax_agreement": sum(a[1] == b[1] for a, b in pairs) / len(pairs),
+        "greedy_identical": sum(d is None for d in div),
+        "greedy_first_divergence": div,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the benchmark model")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 sensitivity run")
+    ap.add_argument("--out", default="quant_accuracy.json")
+    args = ap.parse_args()
+    model = args.model or str(bench_model_path())
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [
+        torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.prompts)
+    ]
+    engine = dict(
+        model=model,
+        max_model_len=args.prompt_len + args.new_tokens + 8,
+        max_num_seqs=args.prompts,
+        kv_cache_memory_gb=0.5,
+        enable_prefix_caching=False,  # the oracle must not reuse the fp32 run's cached KV
+        num_threads=args.threads,
+        progress=False,
+    )
+    t0 = time.perf_counter()
+    runs: dict[str, dict] = {}
+    llm = LLM(dtype="float32", **engine)
+    runs["fp32"] = evaluate(llm, prompts, args.new_tokens)
+    fake_quantize(llm)
+    runs["oracle"] = evaluate(llm, prompts, args.new_tokens)
+    del llm
+    gc.collect()
+    runs["int8"] = evaluate(
+        LLM(dtype="float32", quantization="int8", **engine), prompts, args.new_tokens
+    )
+    gc.collect()
+    if not args.no_bf16:
+        runs["bf16"] = evaluate(LLM(dtype="bfloat16", **engine), prompts, args.new_tokens)
+    cases = {
+        "int8 vs fp32": compare(runs["fp32"], runs["int8"]),
+        "int8 vs oracle": compare(runs["oracle"], runs["int8"]),
+    }
+    if "bf16" in runs:
+        cases["bf16 vs fp32"] = compare(runs["fp32"], runs["bf16"])
+    ref_lp = [a[0] for p in runs["fp32"]["positions"] for a in p]
+    result = {
+        "model": model,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "positions": len(ref_lp),
+        "mean_fp32_prompt_logprob": statistics.fmean(ref_lp),
+        "cases": cases,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    n = args.prompts
+    print(f"{model}: {n} random prompts of {args.prompt_len} tokens, {len(ref_lp)} positions")
+    print(f"mean fp32 prompt logprob {result['mean_fp32_prompt_logprob']:.3f}")
+    print(
+        "| case | mean abs dlogprob | max abs dlogprob | argmax agrees "
+        f"| identical greedy ({args.new_tokens} tok) | first divergence |"
+    )
+    print("|---|---:|---:|---:|---:|---|")
+    for name, c in cases.items():
+        div = ", ".join("-" if d is None else str(d) for d in c["greedy_first_divergence"])
+        print(
+            f"| {name} | {c['mean_abs_logprob_diff']:.2e} | {c['max_abs_logprob_diff']:.2e} "
+            f"| {100 * c['argmax_agreement']:.1f}% | {c['greedy_identical']}/{n} | {div} |"
+        )
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out} ({result['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()

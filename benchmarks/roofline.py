@@ -1,0 +1,134 @@
+"""Rooflines of the benchmark model: bytes one decode step reads, FLOPs one prefill does, and
+the two machine figures they are divided by (read bandwidth, fp32 GEMM peak), measured here.
+
+Decode is bound by memory: every weight the step touches is read once (the expected number of
+distinct routed experts at that batch), plus the latent KV of every sequence. Prefill is bound
+by compute: the FLOPs of every projection for every token, the MLA expansion of the context
+(``kv_b_proj``) and causal attention (half of the square, the work an ideal kernel does).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+# bytes per weight element read by decode, per weight format. int8 keeps an fp32 scale per
+# output row, the router, norms and the absorbed MLA weights (derived from kv_b_proj) in fp32.
+FORMATS = {
+    "fp32": dict(linear=4.0, scale=0.0, kv_b=4.0),
+    "int8": dict(linear=1.0, scale=4.0, kv_b=4.0),
+}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    D: int
+    V: int
+    H: int
+    L: int
+    E: int
+    K: int
+    F: int
+    I: int
+    n_dense: int
+    n_shared: int
+    nope: int
+    rope: int
+    v: int
+    ql: int
+    kvl: int
+
+    @classmethod
+    def of(cls, c: dict) -> Shapes:
+        return cls(
+            D=c["hidden_size"],
+            V=c["vocab_size"],
+            H=c["num_attention_heads"],
+            L=c["num_hidden_layers"],
+            E=c["n_routed_experts"],
+            K=c["num_experts_per_tok"],
+            F=c["moe_intermediate_size"],
+            I=c["intermediate_size"],
+            n_dense=c["first_k_dense_replace"],
+            n_shared=c["n_shared_experts"],
+            nope=c["qk_nope_head_dim"],
+            rope=c["qk_rope_head_dim"],
+            v=c["v_head_dim"],
+            ql=c["q_lora_rank"],
+            kvl=c["kv_lora_rank"],
+        )
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(rows, cols) of the projections of one attention block except kv_b."""
+        s = self
+        return [
+            (s.ql, s.D),
+            (s.H * (s.nope + s.rope), s.ql),
+            (s.kvl + s.rope, s.D),
+            (s.D, s.H * s.v),
+        ]
+
+
+def decode_bytes_per_step(c: dict, batch: int, context: int, fmt: str = "fp32") -> float:
+    """Bytes one decode step of ``batch`` sequences with ``context`` cached tokens reads."""
+    s, b = Shapes.of(c), FORMATS[fmt]
+
+    def mat(rows: int, cols: int) -> float:
+        return rows * cols * b["linear"] + rows * b["scale"]
+
+    attn = sum(mat(r, k) for r, k in s.linears()) + s.kvl * s.H * (s.nope + s.v) * b["kv_b"]
+    norms = (s.ql + s.kvl + 2 * s.D) * 4
+    dense = mat(2 * s.I, s.D) + mat(s.D, s.I)
+    expert = mat(2 * s.F, s.D) + mat(s.D, s.F)
+    router = s.E * s.D * 4 + s.E * 4
+    distinct = s.E * (1 - (1 - s.K / s.E) ** batch)  # expected experts hit per layer
+    n_moe = s.L - s.n_dense
+    total = s.L * (attn + norms) + s.n_dense * dense
+    total += n_moe * (router + (s.n_shared + distinct) * expert)
+    total += mat(s.V, s.D) + batch * s.D * 4  # lm_head, embedding rows
+    total += batch * context * (s.kvl + s.rope) * 4 * s.L  # latent KV, fp32
+    return total
+
+
+def prefill_flops(c: dict, n: int) -> float:
+    """FLOPs of one prefill of ``n`` tokens from an empty cache (logits of the last only)."""
+    s = Shapes.of(c)
+    per_token_attn = 2 * sum(r * k for r, k in s.linears())
+    per_token_attn += 2 * s.kvl * s.H * (s.nope + s.v)  # context expansion (naive MLA)
+    causal_pairs = n * (n + 1) / 2
+    attn_scores = 2 * s.H * (s.nope + s.rope + s.v) * causal_pairs
+    dense = 2 * 3 * s.D * s.I
+    moe = 2 * 3 * s.D * s.F * (s.K + s.n_shared) + 2 * s.E * s.D
+    n_moe = s.L - s.n_dense
+    per_token = s.L * per_token_attn + s.n_dense * dense + n_moe * moe
+    return n * per_token + s.L * attn_scores + 2 * s.V * s.D
+
+
+def measure_read_bandwidth(device: str = "cpu", gib: float = 1.0, repeats: int = 5) -> float:
+    """Best-of-N bytes/s for summing a large fp32 tensor (a streaming read)."""
+    t = torch.ones(int(gib * (1 << 30)) // 4, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        t.sum().item()
+        best = min(best, time.perf_counter() - t0)
+    return t.numel() * 4 / best
+
+
+def measure_gemm_peak(device: str = "cpu", repeats: int = 5) -> float:
+    """Best fp32 FLOP/s of ``F.linear`` over a few large shapes (the prefill ceiling)."""
+    best = 0.0
+    for m, n, k in ((2048, 4096, 1024), (1024, 2816, 1024), (2048, 2048, 2048)):
+        x = torch.randn(m, k, device=device)
+        w = torch.randn(n, k, device=device)
+        out = torch.empty(m, n, device=device)
+        torch.matmul(x, w.t(), out=out)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.matmul(x, w.t(), out=out)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            best = max(best, 2 * m * n * k / (time.perf_counter() - t0))
+    return best

@@ -1,0 +1,361 @@
+/* fp32 decode attention over a paged KV cache on AVX2+FMA CPUs, without gathering the context.
+ *
+ * One query token per sequence b; its Hg query heads of KV head g attend to the sequence's
+ * first lens[b] cached tokens. Token p lives in slot table[b][p / bs] * bs + p % bs; the slot's
+ * row starts at cache + slot * ld_slot, its key (Dk floats) at k_off + g * k_hs and its value
+ * (Dv floats) at v_off + g * v_hs. Two users:
+ *
+ *   MLA (absorbed):  G = 1, Hg = H, key = [c_kv | k_pe] (Dk = C + R, k_off = 0),
+ *                    value = c_kv (Dv = C, v_off = 0): the value is a prefix of the key row.
+ *   GQA:             cache [slots, 2, G, Hd]: k_off = 0, v_off = G * Hd, k_hs = v_hs = Hd.
+ *
+ * Each key/value row is read once per step for all Hg heads: a tile of TILE tokens gets the
+ * scores of all heads (s = q . k, q pre-scaled), an online-softmax update (running max m and
+ * sum l per head), then acc[h] = acc[h] * alpha[h] + sum_t p[h][t] * v_t while the tile is in
+ * L1, and the next tile's rows are prefetched meanwhile (the blocks lie anywhere in the cache;
+ * without it a cold cache costs ~20%). A token costs Hg * (Dk + Dv) multiply-adds for the
+ * Dk floats of an MLA row: with 16 heads the kernel is bound by the FMA units, not by memory.
+ *
+ * Work items are (b, g, token range): a long context is split into ranges that threads take
+ * concurrently and whose partial (m, l, acc) are merged at the end (flash-decoding), so batch 1
+ * uses every thread; with many sequences each (b, g) is one item.
+ *
+ * The query comes in two parts (q1 = the first D1 dims, q2 the rest; for MLA q_lat and q_pe)
+ * with their own batch/head strides, so the caller needs no torch.cat; the output's batch and
+ * head strides are free too (MLA writes [H, B, C] for the W_UV bmm that follows).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 32        /* tokens per online-softmax step: rows stay in L1 between the passes */
+#define HMAX 256       /* query heads per KV head (stack scratch of the scores) */
+#define MIN_CHUNK 256  /* fewest tokens a split of one sequence gets */
+#define PAR_WORK 65536 /* head-token-dims below which one thread does it all */
+#define MAX_SPLITS 64  /* ranges one sequence is split into at most */
+
+typedef struct {
+    int64_t b, g, t0, t1, part; /* part < 0: the only split, written to out directly */
+} Item;
+
+typedef struct {
+    int64_t B, G, Hg, Dk, Dv, D1, ld_slot, k_off, k_hs, v_off, v_hs, ldt, bs;
+    const float *cache, *qpack;
+    const int32_t *table, *lens;
+    float *out;
+    int64_t out_sb, out_sh;
+} Params;
+
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* [a0 . 1, a1 . 1, ..., a7 . 1]: the horizontal sums of eight vectors in one vector */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                           __m256 a6, __m256 a7) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 v = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31));
+}
+
+/* e^x for x <= 0 (softmax of x - max), 8 at a time: Cephes' expf (relative error ~1e-7);
+ * below -87 it returns ~e^-87 instead of a denormal or 0, which no softmax sum notices. */
+static inline __m256 exp256_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i n127 = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    const __m256i e = _mm256_slli_epi32(n127, 23); /* 2^n */
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* s[i * TILE + j] = q_i . k_j for heads i < mh <= 4 and tokens j < mt <= 2. Missing heads and
+ * tokens repeat the first one (computed, not stored), so the inner loop has no branches. */
+static void score_block(int mh, int mt, int64_t Dk, const float *q, const float *const *key,
+                        float *s) {
+    const float *q0 = q, *q1 = q + (mh > 1 ? Dk : 0), *q2 = q + (mh > 2 ? 2 * Dk : 0),
+                *q3 = q + (mh > 3 ? 3 * Dk : 0);
+    const float *k0 = key[0], *k1 = key[mt > 1 ? 1 : 0];
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+           a30 = a00, a31 = a00;
+    int64_t d = 0;
+    for (; d + 8 <= Dk; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+        __m256 w = _mm256_loadu_ps(q0 + d);
+        a00 = _mm256_fmadd_ps(w, x0, a00);
+        a01 = _mm256_fmadd_ps(w, x1, a01);
+        w = _mm256_loadu_ps(q1 + d);
+        a10 = _mm256_fmadd_ps(w, x0, a10);
+        a11 = _mm256_fmadd_ps(w, x1, a11);
+        w = _mm256_loadu_ps(q2 + d);
+        a20 = _mm256_fmadd_ps(w, x0, a20);
+        a21 = _mm256_fmadd_ps(w, x1, a21);
+        w = _mm256_loadu_ps(q3 + d);
+        a30 = _mm256_fmadd_ps(w, x0, a30);
+        a31 = _mm256_fmadd_ps(w, x1, a31);
+    }
+    float r[8];
+    _mm256_storeu_ps(r, hsum8(a00, a01, a10, a11, a20, a21, a30, a31));
+    const float *qs[4] = {q0, q1, q2, q3};
+    for (int i = 0; i < mh; i++)
+        for (int j = 0; j < mt; j++) {
+            float v = r[2 * i + j];
+            for (int64_t t = d; t < Dk; t++) v += qs[i][t] * key[j][t];
+            s[i * TILE + j] = v;
+        }
+}
+
+/* acc[i][c0 .. c0 + 8 * NV) = acc[i] * alpha[i] + sum_t p[i][t] * val_t for heads i < mh <= 4;
+ * missing heads repeat head 0 and are not stored. */
+static inline __attribute__((always_inline)) void value_block(
+    const int NV, int mh, int64_t nt, int64_t c0, const float *p, const float *alpha,
+    const float *const *val, float *acc, int64_t acc_sh) {
+    __m256 a[4][2];
+    const float *pr[4];
+    for (int i = 0; i < 4; i++) {
+        const int ii = i < mh ? i : 0;
+        pr[i] = p + ii * TILE;
+        const __m256 al = _mm256_set1_ps(alpha[ii]);
+        for (int k = 0; k < NV; k++)
+            a[i][k] = _mm256_mul_ps(_mm256_loadu_ps(acc + ii * acc_sh + c0 + 8 * k), al);
+    }
+    for (int64_t t = 0; t < nt; t++) {
+        const __m256 x0 = _mm256_loadu_ps(val[t] + c0);
+        const __m256 x1 = NV > 1 ? _mm256_loadu_ps(val[t] + c0 + 8) : x0;
+        for (int i = 0; i < 4; i++) {
+            const __m256 w = _mm256_broadcast_ss(pr[i] + t);
+            a[i][0] = _mm256_fmadd_ps(w, x0, a[i][0]);
+            if (NV > 1) a[i][1] = _mm256_fmadd_ps(w, x1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < mh; i++)
+        for (int k = 0; k < NV; k++) _mm256_storeu_ps(acc + i * acc_sh + c0 + 8 * k, a[i][k]);
+}
+
+static inline void prefetch_span(const float *p, int64_t n) {
+    for (int64_t d = 0; d < n; d += 16) _mm_prefetch((const char *)(p + d), _MM_HINT_T0);
+}
+
+/* One tile: scores, online-softmax update of (m, l), then the values into acc. The n_next
+ * rows of the next tile (keys next_key, values next_val unless they lie in the keys) come
+ * from blocks anywhere in the cache, where the hardware prefetcher has no stream to follow:
+ * they are requested two at a time during the first sweep of the scores. */
+static void tile_step(const Params *P, int64_t nt, const float *q, const float *const *key,
+                      const float *const *val, float *s, float *m, float *l, float *acc,
+                      int64_t acc_sh, int64_t n_next, const float *const *next_key,
+                      const float *const *next_val) {
+    const int64_t Hg = P->Hg, Dv = P->Dv;
+    for (int64_t h0 = 0; h0 < Hg; h0 += 4) {
+        const int mh = Hg - h0 >= 4 ? 4 : (int)(Hg - h0);
+        for (int64_t t0 = 0; t0 < nt; t0 += 2) {
+            if (h0 == 0)
+                for (int64_t j = t0; j < t0 + 2 && j < n_next; j++) {
+                    prefetch_span(next_key[j], P->Dk);
+                    if (next_val) prefetch_span(next_val[j], Dv);
+                }
+            score_block(mh, nt - t0 >= 2 ? 2 : 1, P->Dk, q + h0 * P->Dk, key + t0,
+                        s + h0 * TILE + t0);
+        }
+    }
+    float alpha[HMAX];
+    for (int64_t h = 0; h < Hg; h++) {
+        float *sh = s + h * TILE;
+        float mx = m[h];
+        int64_t t = 0;
+        if (nt >= 8) {
+            __m256 vm = _mm256_loadu_ps(sh);
+            for (t = 8; t + 8 <= nt; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sh + t));
+            __m128 x = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+            x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+            x = _mm_max_ss(x, _mm_movehdup_ps(x));
+            mx = _mm_cvtss_f32(x) > mx ? _mm_cvtss_f32(x) : mx;
+        }
+        for (; t < nt; t++) mx = sh[t] > mx ? sh[t] : mx;
+        alpha[h] = expf(m[h] - mx); /* 0 on the first tile (m = -inf) */
+        float sum = 0.0f;
+        t = 0;
+        if (nt >= 8) {
+            const __m256 vmx = _mm256_set1_ps(mx);
+            __m256 vsum = _mm256_setzero_ps();
+            for (; t + 8 <= nt; t += 8) {
+                const __m256 e = exp256_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vmx));
+                _mm256_storeu_ps(sh + t, e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            sum = hsum(vsum);
+        }
+        for (; t < nt; t++) {
+            sh[t] = expf(sh[t] - mx);
+            sum += sh[t];
+        }
+        l[h] = l[h] * alpha[h] + sum;
+        m[h] = mx;
+    }
+    for (int64_t h0 = 0; h0 < Hg; h0 += 4) {
+        const int mh = Hg - h0 >= 4 ? 4 : (int)(Hg - h0);
+        const float *p = s + h0 * TILE;
+        float *ah = acc + h0 * acc_sh;
+        int64_t c = 0;
+        for (; c + 16 <= Dv; c += 16) value_block(2, mh, nt, c, p, alpha + h0, val, ah, acc_sh);
+        for (; c + 8 <= Dv; c += 8) value_block(1, mh, nt, c, p, alpha + h0, val, ah, acc_sh);
+        for (; c < Dv; c++)
+            for (int i = 0; i < mh; i++) {
+                float v = ah[i * acc_sh + c] * alpha[h0 + i];
+                for (int64_t t = 0; t < nt; t++) v += p[i * TILE + t] * val[t][c];
+                ah[i * acc_sh + c] = v;
+            }
+    }
+}
+
+/* Tokens [t0, t1) of sequence b against the Hg heads of KV head g: unnormalised acc (head
+ * stride acc_sh), running max m and sum l. */
+static void run_item(const Params *P, const Item *it, float *acc, int64_t acc_sh, float *m,
+                     float *l) {
+    const int64_t Hg = P->Hg, bs = P->bs;
+    const float *q = P->qpack + (it->b * P->G + it->g) * Hg * P->Dk;
+    const int32_t *table = P->table + it->b * P->ldt;
+    const float *key[2][TILE], *val[2][TILE]; /* this tile's rows and the next one's */
+    float s[HMAX * TILE];
+    for (int64_t h = 0; h < Hg; h++) {
+        memset(acc + h * acc_sh, 0, P->Dv * sizeof(float));
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    const int64_t koff = P->k_off + it->g * P->k_hs, voff = P->v_off + it->g * P->v_hs;
+    const int val_in_key = voff >= koff && voff + P->Dv <= koff + P->Dk; /* MLA */
+    int cur = 0;
+    for (int64_t t0 = it->t0 - TILE; t0 < it->t1; t0 += TILE, cur = 1 - cur) {
+        /* rows of tile t0 + TILE into the other buffer, then tile t0 (none the first time) */
+        const int64_t n_next = it->t1 - t0 - TILE < TILE ? it->t1 - t0 - TILE : TILE;
+        for (int64_t j = 0; j < n_next; j++) {
+            const int64_t pos = t0 + TILE + j;
+            const float *row =
+                P->cache + ((int64_t)table[pos / bs] * bs + pos % bs) * P->ld_slot;
+            key[1 - cur][j] = row + koff;
+            val[1 - cur][j] = row + voff;
+        }
+        if (t0 >= it->t0)
+            tile_step(P, it->t1 - t0 < TILE ? it->t1 - t0 : TILE, q, key[cur], val[cur], s, m,
+                      l, acc, acc_sh, n_next > 0 ? n_next : 0, key[1 - cur],
+                      val_in_key ? NULL : val[1 - cur]);
+    }
+}
+
+typedef struct {
+    int64_t b, g, item0, S; /* the S splits of (b, g) are items item0 .. item0 + S - 1 */
+} Merge;
+
+void moeserve_paged_decode_attention(
+    int64_t B, int64_t G, int64_t Hg, int64_t Dk, int64_t Dv, int64_t D1, const float *q1,
+    int64_t q1_sb, int64_t q1_sh, const float *q2, int64_t q2_sb, int64_t q2_sh, float scale,
+    const float *cache, int64_t ld_slot, int64_t k_off, int64_t k_hs, int64_t v_off,
+    int64_t v_hs, const int32_t *table, int64_t ldt, const int32_t *lens, int64_t bs,
+    float *out, int64_t out_sb, int64_t out_sh) {
+    const int64_t H = G * Hg;
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; b++) total += lens[b] > 0 ? lens[b] : 0;
+    const int threads = omp_get_max_threads();
+    const int split = threads > 1 && total * H * (Dk + Dv) >= PAR_WORK;
+    /* a split per ~1/(2 * threads) of the work, at least MIN_CHUNK tokens, whole tiles */
+    int64_t chunk = (total * G + 2 * threads - 1) / (2 * threads);
+    chunk = chunk < MIN_CHUNK ? MIN_CHUNK : chunk;
+    chunk = (chunk + TILE - 1) / TILE * TILE;
+    int64_t n_items = 0, n_parts = 0, n_merges = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = lens[b] > 0 ? lens[b] : 0;
+        int64_t S = split ? (n + chunk - 1) / chunk : 1;
+        S = S < 1 ? 1 : S > MAX_SPLITS ? MAX_SPLITS : S;
+        n_items += G * S;
+        if (S > 1) n_parts += G * S, n_merges += G;
+    }
+    const int par = split && n_items > 1; /* one item: no thread to wake */
+    Item *items = malloc(n_items * sizeof(Item));
+    Merge *merges = malloc((n_merges + 1) * sizeof(Merge));
+    float *qpack = malloc((B * H * Dk + 1) * sizeof(float));
+    float *part_acc = malloc((n_parts * Hg * Dv + 1) * sizeof(float));
+    float *ml = malloc((n_items * Hg * 2 + 1) * sizeof(float)); /* m then l of each item */
+    int64_t k = 0, part = 0, mg = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = lens[b] > 0 ? lens[b] : 0;
+        int64_t S = split ? (n + chunk - 1) / chunk : 1;
+        S = S < 1 ? 1 : S > MAX_SPLITS ? MAX_SPLITS : S;
+        const int64_t per = (n + S - 1) / S; /* S equal ranges; S > 1 implies per >= TILE */
+        for (int64_t g = 0; g < G; g++) {
+            if (S > 1) merges[mg++] = (Merge){b, g, k, S};
+            for (int64_t s = 0; s < S; s++) {
+                const int64_t t0 = s * per, t1 = t0 + per < n ? t0 + per : n;
+                items[k++] = (Item){b, g, t0, t1, S > 1 ? part++ : -1};
+            }
+        }
+    }
+    Params P = {B, G, Hg, Dk, Dv, D1, ld_slot, k_off, k_hs, v_off, v_hs, ldt, bs,
+                cache, qpack, table, lens, out, out_sb, out_sh};
+#pragma omp parallel if (par)
+    {
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; bh++) {
+            const int64_t b = bh / H, h = bh % H;
+            float *dst = qpack + bh * Dk;
+            for (int64_t d = 0; d < D1; d++) dst[d] = scale * q1[b * q1_sb + h * q1_sh + d];
+            for (int64_t d = D1; d < Dk; d++)
+                dst[d] = scale * q2[b * q2_sb + h * q2_sh + d - D1];
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            const Item *it = &items[i];
+            float *m = ml + i * Hg * 2, *l = m + Hg;
+            if (it->part < 0) {
+                float *o = out + it->b * out_sb + it->g * Hg * out_sh;
+                run_item(&P, it, o, out_sh, m, l);
+                for (int64_t h = 0; h < Hg; h++) {
+                    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f; /* 0 for no context */
+                    for (int64_t c = 0; c < Dv; c++) o[h * out_sh + c] *= inv;
+                }
+            } else {
+                run_item(&P, it, part_acc + it->part * Hg * Dv, Dv, m, l);
+            }
+        }
+        /* merge the splits: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; a merge's
+         * items are consecutive and so are their parts */
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n_merges * Hg; j++) {
+            const Merge *mr = &merges[j / Hg];
+            const int64_t h = j % Hg;
+            const int64_t i0 = mr->item0;
+            float M = -INFINITY, L = 0.0f, w[MAX_SPLITS];
+            for (int64_t s = 0; s < mr->S; s++) {
+                const float ms = ml[(i0 + s) * Hg * 2 + h];
+                M = ms > M ? ms : M;
+            }
+            for (int64_t s = 0; s < mr->S; s++) {
+                const float *mls = ml + (i0 + s) * Hg * 2;
+                w[s] = expf(mls[h] - M);
+                L += w[s] * mls[Hg + h];
+            }
+            const float inv = 1.0f / L;
+            for (int64_t s = 0; s < mr->S; s++) w[s] *= inv;
+            float *o = out + mr->b * out_sb + (mr->g * Hg + h) * out_sh;
+            const float *a = part_acc + (items[i0].part * Hg + h) * Dv;
+            for (int64_t c = 0; c < Dv; c++) {
+                float v = 0.0f;
+                for (int64_t s = 0; s < mr->S; s++) v += w[s] * a[s * Hg * Dv + c];
+                o[c] = v;
+            }
+        }
+    }
+    free(items), free(merges), free(qpack), free(part_acc), free(ml);
+}

@@ -1,0 +1,371 @@
+/* Weight-only int8 kernels for few token rows: fp32 activations, int8 weights with one fp32
+ * scale per output row (w[n, k] ~= q[n, k] * scale[n]).
+ *
+ *   y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N]       the scale is applied once per output
+ *
+ * Like the fp32 kernel (kernels.c), each weight row is streamed from memory once: the
+ * threads share out panels of PANEL weight rows, and each pair of rows in a panel is dotted
+ * with blocks of token rows. With 4x fewer weight bytes than fp32, the work per byte
+ * (int8 -> fp32 conversion, then one FMA per token row) decides the speed from about 2 rows
+ * up, so:
+ *
+ *   M <= MBQ  convert in registers and FMA straight away; a block of 1-3 rows spreads its
+ *             sums over 4 or 2 accumulator chains so it is not bound by the FMA latency
+ *   M >  MBQ  convert a KC-column chunk of the panel once into an fp32 buffer, then for
+ *             each block of MBF token rows sweep the panel's pairs (each weight is converted
+ *             once, and a block's x chunk stays in the near caches across the panel)
+ *
+ * The body is compiled twice (this file includes itself): for AVX2+FMA (8 lanes), the
+ * baseline, and for AVX-512F (16 lanes, twice the FMA work per instruction) with
+ * `#pragma GCC target`; the caller picks one per call (`wide`), ops/cpu/int8.py from the
+ * CPU's flags. Pure-torch references: ops/cpu/int8.py (linear_int8_ref, moe_int8_ref).
+ */
+#ifndef INT8_BODY
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define PANEL 8 /* weight rows per job: a block's x chunk is swept over all of them */
+#ifndef KC
+#define KC 1024 /* columns per converted chunk (8 rows x 4 KB of fp32): best of 256..1024 */
+#endif
+#ifndef PREFETCH
+#define PREFETCH 8192 /* bytes ahead on each weight row: measured best of 0..16384 */
+#endif
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 h = _mm_movehdup_ps(s);
+    s = _mm_add_ps(s, h);
+    h = _mm_movehl_ps(h, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, h));
+}
+
+/* ---- AVX2 + FMA: 8 lanes, blocks of 6 rows (12 accumulators of 16 registers) ---- */
+#define INT8_BODY
+#define W 8
+#define MBQ 6 /* rows converted in registers: 2 * 6 accumulators + 3 of 16 registers */
+#define MBF 6 /* rows per block over the converted chunk */
+#define SFX _avx2
+typedef __m256 vf_avx2;
+#define VF vf_avx2
+#define VZERO() _mm256_setzero_ps()
+#define VLOADU(p) _mm256_loadu_ps(p)
+#define VLOAD(p) _mm256_load_ps(p)
+#define VSTORE(p, v) _mm256_store_ps(p, v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VHSUM(v) hsum256(v)
+/* W int8 weights as W floats */
+#define VLOADQ(q) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q))))
+#include "int8.c" /* this file: its body, for this ISA */
+#undef W
+#undef MBQ
+#undef MBF
+#undef SFX
+#undef VF
+#undef VZERO
+#undef VLOADU
+#undef VLOAD
+#undef VSTORE
+#undef VFMA
+#undef VADD
+#undef VHSUM
+#undef VLOADQ
+
+/* ---- AVX-512F: 16 lanes, 12 rows in registers (24 accumulators of 32 registers) ---- */
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#define W 16
+#define MBQ 12 /* 24 accumulators + 3 of 32 registers */
+#define MBF 6  /* measured faster than 12 over the converted chunk */
+#define SFX _avx512
+typedef __m512 vf_avx512;
+#define VF vf_avx512
+#define VZERO() _mm512_setzero_ps()
+#define VLOADU(p) _mm512_loadu_ps(p)
+#define VLOAD(p) _mm512_load_ps(p)
+#define VSTORE(p, v) _mm512_store_ps(p, v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+#define VLOADQ(q) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q))))
+#include "int8.c" /* this file: its body, for this ISA */
+#pragma GCC pop_options
+
+void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                                 const int8_t *q, int64_t ldq, const float *scale, float *y,
+                                 int64_t ldy, int wide) {
+    if (wide)
+        gemm_avx512(M, N, K, x, ldx, q, ldq, scale, y, ldy);
+    else
+        gemm_avx2(M, N, K, x, ldx, q, ldq, scale, y, ldy);
+}
+
+/* Routed experts for few rows, one call per MoE layer: the int8 twin of moeserve_moe_small
+ * (kernels.c). For each group g (rows [start[g], start[g] + count[g]) of x, all routed to
+ * expert[g]):
+ *   h = (x_g @ q13[e]^T) * s13[e]           (gate rows then up rows: [count, 2F])
+ *   a = silu(h[:, :F]) * h[:, F:]            (written over h[:, :F])
+ *   y_g = route_w_g * (a @ q2[e]^T) * s2[e]
+ * q13 is [E, 2F, D] int8 with s13 [E, 2F]; q2 is [E, D, F] with s2 [E, D]; all contiguous.
+ * h is scratch of [rows, 2F]. One parallel region: the threads share out the weight panels
+ * of all experts at once. */
+void moeserve_int8_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                             const int64_t *count, int64_t D, int64_t F, const float *x,
+                             const int8_t *q13, const float *s13, const int8_t *q2,
+                             const float *s2, const float *route_w, float *h, float *y,
+                             int wide) {
+    if (wide)
+        moe_avx512(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
+    else
+        moe_avx2(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
+}
+
+/* out[n, :] = q[n, :] * scale[n] for rows [0, N): the dequantized fp32 weight block that a
+ * many-row GEMM (prefill) hands to BLAS. Bound by memory: AVX2 only. */
+void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
+                           const float *scale, float *out, int64_t ldo) {
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qn = q + n * ldq;
+        float *on = out + n * ldo;
+        const __m256 s = _mm256_set1_ps(scale[n]);
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const __m256 v = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qn + k))));
+            _mm256_storeu_ps(on + k, _mm256_mul_ps(v, s));
+        }
+        for (; k < K; k++) on[k] = (float)qn[k] * scale[n];
+    }
+}
+
+#else /* INT8_BODY: the kernels for one ISA, named with the suffix SFX */
+
+/* rows 0..mb-1 of x against int8 weight rows q0 and q1 (q1 == q0 when !two), converting in
+ * registers; y[i] = dot * scale. */
+static inline __attribute__((always_inline)) void CAT(dot_block_q, SFX)(
+    const int mb, const int two, int64_t K, const float *x, int64_t ldx, const int8_t *q0,
+    const int8_t *q1, float s0, float s1, float *y, int64_t ldy) {
+    /* independent chains per accumulator: 4 for one row, 2 for up to three, else 1 */
+    const int U = mb == 1 ? 4 : (mb <= 3 ? 2 : 1);
+    VF a0[4][MBQ], a1[4][MBQ];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; u++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < MBQ; i++) {
+            a0[u][i] = VZERO();
+            a1[u][i] = VZERO();
+        }
+    }
+    int64_t k = 0;
+    for (; k + 4 * W <= K; k += 4 * W) {
+        _mm_prefetch((const char *)(q0 + k + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(q1 + k + PREFETCH), _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            const int u = s & (U - 1);
+            const VF v0 = VLOADQ(q0 + k + W * s), v1 = VLOADQ(q1 + k + W * s);
+#pragma GCC unroll 12
+            for (int i = 0; i < MBQ; i++) {
+                if (i < mb) {
+                    const VF xv = VLOADU(x + i * ldx + k + W * s);
+                    a0[u][i] = VFMA(xv, v0, a0[u][i]);
+                    a1[u][i] = VFMA(xv, v1, a1[u][i]);
+                }
+            }
+        }
+    }
+    for (; k + W <= K; k += W) {
+        const VF v0 = VLOADQ(q0 + k), v1 = VLOADQ(q1 + k);
+#pragma GCC unroll 12
+        for (int i = 0; i < MBQ; i++) {
+            if (i < mb) {
+                const VF xv = VLOADU(x + i * ldx + k);
+                a0[0][i] = VFMA(xv, v0, a0[0][i]);
+                a1[0][i] = VFMA(xv, v1, a1[0][i]);
+            }
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MBQ; i++) {
+        if (i < mb) {
+#pragma GCC unroll 4
+            for (int u = 1; u < 4; u++) {
+                if (u < U) {
+                    a0[0][i] = VADD(a0[0][i], a0[u][i]);
+                    a1[0][i] = VADD(a1[0][i], a1[u][i]);
+                }
+            }
+            float d0 = VHSUM(a0[0][i]), d1 = VHSUM(a1[0][i]);
+            for (int64_t t = k; t < K; t++) {
+                d0 += x[i * ldx + t] * (float)q0[t];
+                d1 += x[i * ldx + t] * (float)q1[t];
+            }
+            y[i * ldy] = d0 * s0;
+            if (two) y[i * ldy + 1] = d1 * s1;
+        }
+    }
+}
+
+/* rows 0..mb-1 of x (already offset to the chunk) against fp32 rows w0 and w1 of length kc
+ * (a multiple of W); y[i] = dot when first, else y[i] += dot. */
+static inline __attribute__((always_inline)) void CAT(dot_block_f, SFX)(
+    const int mb, const int two, int first, int64_t kc, const float *x, int64_t ldx,
+    const float *w0, const float *w1, float *y, int64_t ldy) {
+    VF a0[MBF], a1[MBF];
+#pragma GCC unroll 12
+    for (int i = 0; i < MBF; i++) {
+        a0[i] = VZERO();
+        a1[i] = VZERO();
+    }
+    for (int64_t k = 0; k < kc; k += W) {
+        const VF v0 = VLOAD(w0 + k), v1 = VLOAD(w1 + k);
+#pragma GCC unroll 12
+        for (int i = 0; i < MBF; i++) {
+            if (i < mb) {
+                const VF xv = VLOADU(x + i * ldx + k);
+                a0[i] = VFMA(xv, v0, a0[i]);
+                a1[i] = VFMA(xv, v1, a1[i]);
+            }
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MBF; i++) {
+        if (i < mb) {
+            const float d0 = VHSUM(a0[i]), d1 = VHSUM(a1[i]);
+            y[i * ldy] = first ? d0 : y[i * ldy] + d0;
+            if (two) y[i * ldy + 1] = first ? d1 : y[i * ldy + 1] + d1;
+        }
+    }
+}
+
+/* mb is a run-time count in 1..lim (lim <= 12): each case inlines a block of that many rows */
+#define DISPATCH_MB(left, lim, CALL)                       \
+    switch ((left) >= (lim) ? (lim) : (int)(left)) {       \
+        case 1: CALL(1); break;                            \
+        case 2: CALL(2); break;                            \
+        case 3: CALL(3); break;                            \
+        case 4: CALL(4); break;                            \
+        case 5: CALL(5); break;                            \
+        case 6: CALL(6); break;                            \
+        case 7: if ((lim) >= 7) CALL(7); break;            \
+        case 8: if ((lim) >= 8) CALL(8); break;            \
+        case 9: if ((lim) >= 9) CALL(9); break;            \
+        case 10: if ((lim) >= 10) CALL(10); break;         \
+        case 11: if ((lim) >= 11) CALL(11); break;         \
+        default: if ((lim) >= 12) CALL(12); break;         \
+    }
+
+/* All M rows of x against a panel of `rows` (<= PANEL) int8 weight rows q[r * ldq] with
+ * scales scale[r]; y[i, r] for i < M, r < rows. */
+static void CAT(panel_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t ldx,
+                                 const int8_t *q, int64_t ldq, const float *scale,
+                                 int64_t rows, float *y, int64_t ldy) {
+    if (M <= MBQ) { /* convert in registers, pair by pair */
+        for (int64_t r = 0; r < rows; r += 2) {
+            const int two = r + 1 < rows;
+            const int8_t *q0 = q + r * ldq, *q1 = q0 + (two ? ldq : 0);
+            const float s0 = scale[r], s1 = scale[r + two];
+#define CALL_Q(mb) CAT(dot_block_q, SFX)(mb, two, K, x, ldx, q0, q1, s0, s1, y + r, ldy)
+            DISPATCH_MB(M, MBQ, CALL_Q)
+#undef CALL_Q
+        }
+        return;
+    }
+    /* chunks of KC columns: convert the panel's rows once into buf, then for each block of
+     * MBF token rows sweep the panel's pairs, so the block's x chunk stays in cache across
+     * them; a chunk's last kc % W columns are done in scalar code */
+    float buf[PANEL][KC] __attribute__((aligned(64)));
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        const int64_t kv = kc - kc % W; /* vector part */
+        for (int64_t r = 0; r < rows; r++) {
+            const int8_t *qr = q + r * ldq + k0;
+            for (int64_t k = 0; k < kv; k += W) {
+                if (k % 64 == 0) _mm_prefetch((const char *)(qr + k + PREFETCH), _MM_HINT_T0);
+                VSTORE(buf[r] + k, VLOADQ(qr + k));
+            }
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += MBF) {
+            const int64_t mb = M - m0 < MBF ? M - m0 : MBF;
+            const float *xm = x + m0 * ldx + k0;
+            float *ym = y + m0 * ldy;
+            for (int64_t r = 0; r < rows; r += 2) {
+                const int two = r + 1 < rows;
+                const float *w0 = buf[r], *w1 = buf[r + two];
+#define CALL_F(n) CAT(dot_block_f, SFX)(n, two, k0 == 0, kv, xm, ldx, w0, w1, ym + r, ldy)
+                DISPATCH_MB(mb, MBF, CALL_F)
+#undef CALL_F
+                for (int64_t i = 0; i < mb; i++) {
+                    float d0 = 0.0f, d1 = 0.0f;
+                    for (int64_t k = kv; k < kc; k++) {
+                        d0 += xm[i * ldx + k] * (float)q[r * ldq + k0 + k];
+                        if (two) d1 += xm[i * ldx + k] * (float)q[(r + 1) * ldq + k0 + k];
+                    }
+                    ym[i * ldy + r] += d0;
+                    if (two) ym[i * ldy + r + 1] += d1;
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t r = 0; r < rows; r++) y[i * ldy + r] *= scale[r];
+}
+#undef DISPATCH_MB
+
+static void CAT(gemm, SFX)(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                           const int8_t *q, int64_t ldq, const float *scale, float *y,
+                           int64_t ldy) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * PANEL, rows = N - n0 < PANEL ? N - n0 : PANEL;
+        CAT(panel_rows, SFX)(M, K, x, ldx, q + n0 * ldq, ldq, scale + n0, rows, y + n0, ldy);
+    }
+}
+
+static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                          const int64_t *count, int64_t D, int64_t F, const float *x,
+                          const int8_t *q13, const float *s13, const int8_t *q2,
+                          const float *s2, const float *route_w, float *h, float *y) {
+    const int64_t panels13 = (2 * F + PANEL - 1) / PANEL, panels2 = (D + PANEL - 1) / PANEL;
+    int64_t rows = 0;
+    for (int64_t g = 0; g < n_groups; g++) rows += count[g];
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < n_groups * panels13; job++) {
+            const int64_t g = job / panels13, n0 = (job % panels13) * PANEL, e = expert[g];
+            const int64_t nr = 2 * F - n0 < PANEL ? 2 * F - n0 : PANEL;
+            CAT(panel_rows, SFX)(count[g], D, x + start[g] * D, D, q13 + (e * 2 * F + n0) * D,
+                                 D, s13 + e * 2 * F + n0, nr, h + start[g] * 2 * F + n0,
+                                 2 * F);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = h + r * 2 * F;
+            for (int64_t f = 0; f < F; f++) {
+                const float gate = row[f];
+                row[f] = gate / (1.0f + expf(-gate)) * row[F + f];
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < n_groups * panels2; job++) {
+            const int64_t g = job / panels2, n0 = (job % panels2) * PANEL, e = expert[g];
+            const int64_t nr = D - n0 < PANEL ? D - n0 : PANEL;
+            float *yg = y + start[g] * D + n0;
+            CAT(panel_rows, SFX)(count[g], F, h + start[g] * 2 * F, 2 * F,
+                                 q2 + (e * D + n0) * F, F, s2 + e * D + n0, nr, yg, D);
+            for (int64_t r = 0; r < count[g]; r++) {
+                const float w = route_w[start[g] + r];
+                for (int64_t c = 0; c < nr; c++) yg[r * D + c] *= w;
+            }
+        }
+    }
+}
+
+#endif /* INT8_BODY */

@@ -1,0 +1,58 @@
+"""Switch a freshly built model to int8 weights before its checkpoint is loaded.
+
+What is quantized (per output row, :mod:`moeserve.quant.int8`):
+
+    every Linear (attention and MLA projections, dense and shared-expert MLPs, the shared
+    expert gate, MTP projections and heads), the routed experts' w13 and w2, the LM head
+
+What stays in the model dtype: the router (gate) logits, embeddings (and an LM head tied to
+them), norms, biases. MLA derives its absorbed fp32 decode weights from the dequantized
+``kv_b_proj`` after loading (``layers/mla.py``).
+
+The fp32 parameters are replaced while still untouched ``torch.empty`` storage (not resident),
+so no full-precision copy of the model is ever held; the loaders then quantize each tensor's
+rows as they arrive (``Int8Tensor.copy_``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+
+from moeserve.layers.embedding import ParallelLMHead
+from moeserve.layers.linear import Linear
+from moeserve.layers.moe import FusedExperts
+from moeserve.quant import normalize_quantization
+from moeserve.quant.int8 import Int8Weight
+
+
+def int8_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    """``(module, parameter name)`` of every weight :func:`quantize_int8` converts."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            yield module, "weight"
+        elif isinstance(module, FusedExperts):
+            yield module, "w13_EFD"
+            yield module, "w2_EDF"
+        elif isinstance(module, ParallelLMHead) and not module.tied:
+            yield module, "weight"
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """Replace the weights of :func:`int8_targets` by empty :class:`Int8Weight` modules of the
+    same shape and device; returns how many. Call before loading the checkpoint."""
+    targets = [
+        (m, name) for m, name in int8_targets(model) if isinstance(getattr(m, name), nn.Parameter)
+    ]
+    for module, name in targets:
+        p = getattr(module, name)
+        delattr(module, name)
+        setattr(module, name, Int8Weight(tuple(p.shape), device=p.device))
+    return len(targets)
+
+
+def apply_quantization(model: nn.Module, method: str | None) -> None:
+    """Prepare ``model`` for loading with ``method`` (None, "none" or "int8")."""
+    if normalize_quantization(method) == "int8":
+        quantize_int8(model)

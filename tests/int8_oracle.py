@@ -1,0 +1,45 @@
+"""The fp32 oracle of an int8 engine: a copy of a checkpoint whose quantized weights are
+replaced by ``q.float() * scale``, exactly what the int8 engine holds. An fp32 engine on it
+must match the int8 engine up to summation order (~1e-5), a check a broken kernel fails."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moeserve.quant.int8 import quantize_rows
+
+
+def is_quantized(name: str, t: torch.Tensor) -> bool:
+    """Checkpoint tensors that ``--quantization int8`` converts (``quant/apply.py``): every 2-D
+    weight but the embeddings and the routers (an LM head tied to the embeddings has no
+    tensor of its own)."""
+    return t.dim() == 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight")
+
+
+def fake_quantize(t: torch.Tensor, column_parts: int = 1) -> torch.Tensor:
+    """``q * scale`` in fp32; with ``column_parts`` > 1 each column slice is quantized alone
+    (the K shards of a row-parallel layer under tensor parallelism)."""
+    parts = []
+    for part in t.float().chunk(column_parts, dim=1):
+        q, scale = quantize_rows(part)
+        parts.append(q.float() * scale[:, None])
+    return torch.cat(parts, dim=1)
+
+
+def write_int8_oracle(src: Path, dst: Path, tp: int = 1) -> Path:
+    """Copy ``src`` to ``dst`` with every quantized tensor fake-quantized in fp32. ``tp``: the
+    row-parallel weights (``o_proj``, ``down_proj``) are quantized per tensor-parallel
+    column shard, as each rank does."""
+    shutil.copytree(src, dst)
+    for path in dst.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name, t in tensors.items():
+            if is_quantized(name, t):
+                row_parallel = name.endswith(("o_proj.weight", "down_proj.weight"))
+                tensors[name] = fake_quantize(t, tp if row_parallel else 1)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return dst

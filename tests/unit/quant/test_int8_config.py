@@ -1,0 +1,36 @@
+"""Choosing the quantization: EngineConfig, the CLI flag and LLM's keyword."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.cli import build_parser, engine_kwargs
+from moeserve.config import EngineConfig
+
+
+def test_engine_config_accepts_and_normalizes():
+    assert EngineConfig(model="m").quantization is None
+    assert EngineConfig(model="m", quantization="none").quantization is None
+    cfg = EngineConfig(model="m", quantization="int8", device="cpu")
+    assert cfg.quantization == "int8"
+    assert cfg.torch_dtype == torch.float32  # auto: the int8 kernels take fp32 activations
+    cfg16 = EngineConfig(model="m", quantization="int8", device="cpu", dtype="bfloat16")
+    assert cfg16.torch_dtype == torch.bfloat16  # an explicit dtype is kept
+
+
+def test_unknown_quantization_names_the_choices():
+    with pytest.raises(ValueError, match=r"unknown quantization 'int4'; choose one of none, int8"):
+        EngineConfig(model="m", quantization="int4")
+
+
+def test_cli_flag(capsys):
+    parser = build_parser()
+    for cmd in ("generate", "serve"):
+        extra = ["--prompt", "x"] if cmd == "generate" else []
+        args = parser.parse_args([cmd, *extra, "--quantization", "int8"])
+        assert engine_kwargs(args)["quantization"] == "int8"
+        assert engine_kwargs(parser.parse_args([cmd, *extra]))["quantization"] == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--quantization", "fp4"])
+    assert "invalid choice: 'fp4'" in capsys.readouterr().err
