@@ -25,12 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import BENCH_CONFIG, bench_model_path  # noqa: E402
-from roofline import (  # noqa: E402
-    decode_bytes_per_step,
-    measure_gemm_peak,
-    measure_read_bandwidth,
-    prefill_flops,
-)
+from roofline import MachineProbe, decode_bytes_per_step, prefill_flops  # noqa: E402
 
 from moeserve import LLM, SamplingParams  # noqa: E402
 
@@ -100,8 +95,11 @@ def time_hf_prefill(model, n: int, vocab: int, repeats: int = 3) -> float:
     return n / best
 
 
-def run_moeserve(args, fmt: str, model_dir: str, vocab: int) -> dict[str, float]:
-    """tokens/s of every case for one weight format."""
+def run_moeserve(
+    args, fmt: str, model_dir: str, vocab: int, probe: MachineProbe
+) -> tuple[dict[str, float], dict[str, float]]:
+    """tokens/s of every case for one weight format, and the machine figure next to each
+    case (read bandwidth for decode, GEMM peak for prefill; the better of before and after)."""
     llm = LLM(
         model=model_dir,
         dtype="float32",
@@ -114,12 +112,17 @@ def run_moeserve(args, fmt: str, model_dir: str, vocab: int) -> dict[str, float]
         progress=False,
     )
     out: dict[str, float] = {}
+    machine: dict[str, float] = {}
     time_moeserve_decode(llm, 1, 4, vocab, 1)  # warm-up
     for b in args.batches:
+        before = probe.bandwidth()
         out[f"decode_b{b}"] = time_moeserve_decode(llm, b, args.new_tokens, vocab, args.repeats)
+        machine[f"decode_b{b}"] = max(before, probe.bandwidth())
     time_moeserve_prefill(llm, 64, vocab, repeats=1)
     for n in args.prefill:
+        before = probe.gemm_peak()
         out[f"prefill_{n}"] = time_moeserve_prefill(llm, n, vocab)
+        machine[f"prefill_{n}"] = max(before, probe.gemm_peak())
     if args.profile:
         from moeserve.profiling import profile_to
 
@@ -130,7 +133,7 @@ def run_moeserve(args, fmt: str, model_dir: str, vocab: int) -> dict[str, float]
     llm.shutdown()
     del llm
     gc.collect()
-    return out
+    return out, machine
 
 
 def run_transformers(args, model_dir: str, vocab: int) -> dict[str, float]:
@@ -149,15 +152,16 @@ def run_transformers(args, model_dir: str, vocab: int) -> dict[str, float]:
     return out
 
 
-def rooflines(args, fmt: str, bandwidth: float, peak: float) -> dict[str, float]:
-    """tokens/s each case would reach at the measured bandwidth (decode) or GEMM peak."""
+def rooflines(args, fmt: str, machine: dict[str, float]) -> dict[str, float]:
+    """tokens/s each case would reach at the bandwidth (decode) or GEMM peak (prefill)
+    measured next to it."""
     ctx = PROMPT_LEN + args.new_tokens // 2  # mean context over the timed steps
-    roof = {
-        f"decode_b{b}": b * bandwidth / decode_bytes_per_step(BENCH_CONFIG, b, ctx, fmt)
-        for b in args.batches
-    }
+    roof = {}
+    for b in args.batches:
+        step_bytes = decode_bytes_per_step(BENCH_CONFIG, b, ctx, fmt)
+        roof[f"decode_b{b}"] = b * machine[f"decode_b{b}"] / step_bytes
     for n in args.prefill:
-        roof[f"prefill_{n}"] = n * peak / prefill_flops(BENCH_CONFIG, n)
+        roof[f"prefill_{n}"] = n * machine[f"prefill_{n}"] / prefill_flops(BENCH_CONFIG, n)
     return roof
 
 
@@ -213,20 +217,25 @@ def main() -> None:
     model_dir = args.model or str(bench_model_path())
     vocab = BENCH_CONFIG["vocab_size"]
 
-    bandwidth = measure_read_bandwidth(args.device)
-    peak = measure_gemm_peak(args.device)
+    probe = MachineProbe(args.device)
     results: dict[str, dict[str, float]] = {}
+    machine: dict[str, dict[str, float]] = {}
     for fmt in formats:
-        results[fmt] = run_moeserve(args, fmt, model_dir, vocab)
+        results[fmt], machine[fmt] = run_moeserve(args, fmt, model_dir, vocab, probe)
     if not args.skip_hf:
         results["transformers"] = run_transformers(args, model_dir, vocab)
-    roofs = {fmt: rooflines(args, fmt, bandwidth, peak) for fmt in formats}
+    roofs = {fmt: rooflines(args, fmt, machine[fmt]) for fmt in formats}
+    bws = [v for m in machine.values() for k, v in m.items() if k.startswith("decode")]
+    peaks = [v for m in machine.values() for k, v in m.items() if k.startswith("prefill")]
 
     print(
-        f"\nbenchmark model, {args.threads} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s, "
-        f"fp32 GEMM peak {peak / 1e9:.0f} GFLOP/s, {platform.processor() or platform.machine()}"
+        f"\nbenchmark model, {args.threads} threads, read bandwidth {min(bws) / 1e9:.1f}-"
+        f"{max(bws) / 1e9:.1f} GB/s, fp32 GEMM peak {min(peaks) / 1e9:.0f}-"
+        f"{max(peaks) / 1e9:.0f} GFLOP/s (measured next to each case), "
+        f"{platform.processor() or platform.machine()}"
     )
-    cols = ("case", "format", "tok/s", "transformers", "ratio", "roofline", "of roof", "vs fp32")
+    cols = ("case", "format", "tok/s", "transformers", "ratio", "GB/s|GFLOP/s", "roofline")
+    cols += ("of roof", "vs fp32")
     print(f"{cols[0]:<14}{cols[1]:<8}" + "".join(f"{c:>13}" for c in cols[2:]))
     table = []
     hf = results.get("transformers", {})
@@ -234,7 +243,12 @@ def main() -> None:
         for fmt in formats:
             tps, roof = results[fmt][case], roofs[fmt][case]
             row = dict(
-                case=case, format=fmt, tokens_per_s=tps, roofline=roof, of_roofline=tps / roof
+                case=case,
+                format=fmt,
+                tokens_per_s=tps,
+                roofline=roof,
+                of_roofline=tps / roof,
+                machine_figure=machine[fmt][case],
             )
             if case in hf:
                 row.update(transformers=hf[case], ratio=tps / hf[case])
@@ -245,6 +259,7 @@ def main() -> None:
                 f"{tps:.1f}",
                 f"{hf[case]:.1f}" if case in hf else "-",
                 f"{row['ratio']:.2f}x" if "ratio" in row else "-",
+                f"{machine[fmt][case] / 1e9:.1f}",
                 f"{roof:.1f}",
                 f"{tps / roof:.0%}",
                 f"{row['vs_fp32']:.2f}x" if "vs_fp32" in row else "-",
@@ -255,8 +270,6 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "threads": args.threads,
-        "bandwidth_bytes_per_s": bandwidth,
-        "gemm_peak_flops": peak,
         "new_tokens": args.new_tokens,
         "prompt_len": PROMPT_LEN,
         "rows": table,

@@ -106,15 +106,31 @@ def prefill_flops(c: dict, n: int) -> float:
     return n * per_token + s.L * attn_scores + 2 * s.V * s.D
 
 
+class MachineProbe:
+    """The two machine figures, measured on demand: this machine's memory bandwidth and clock
+    move between runs and within one (shared host), so a benchmark measures them next to
+    each case and divides by those figures."""
+
+    def __init__(self, device: str = "cpu", gib: float = 1.0) -> None:
+        self.device = device
+        self._t = torch.ones(int(gib * (1 << 30)) // 4, device=device)  # allocated once
+
+    def bandwidth(self, repeats: int = 4) -> float:
+        """Best-of-N bytes/s for summing a large fp32 tensor (a streaming read)."""
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self._t.sum().item()
+            best = min(best, time.perf_counter() - t0)
+        return self._t.numel() * 4 / best
+
+    def gemm_peak(self, repeats: int = 5) -> float:
+        return measure_gemm_peak(self.device, repeats)
+
+
 def measure_read_bandwidth(device: str = "cpu", gib: float = 1.0, repeats: int = 5) -> float:
     """Best-of-N bytes/s for summing a large fp32 tensor (a streaming read)."""
-    t = torch.ones(int(gib * (1 << 30)) // 4, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        t.sum().item()
-        best = min(best, time.perf_counter() - t0)
-    return t.numel() * 4 / best
+    return MachineProbe(device, gib).bandwidth(repeats)
 
 
 def measure_gemm_peak(device: str = "cpu", repeats: int = 5) -> float:

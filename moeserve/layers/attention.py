@@ -11,17 +11,17 @@ heads use (replicated over ``tp / G`` ranks). ``o_proj`` is split by input colum
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.distributed.groups import Axis
-from moeserve.layers.attention_meta import AttentionMetadata, causal_bias
+from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.linear import Linear, RowParallelLinear, copy_into, shard_range
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import attention as cpu_attention
+from moeserve.ops.prefill_attention import causal_attention
 
 
 class GQAttention(nn.Module):
@@ -118,14 +118,10 @@ class GQAttention(nn.Module):
         return self.o_proj(out_THD.view(T, self.q_size))
 
     def _attend_prefill(self, q_THD: torch.Tensor, ctx_L2GD: torch.Tensor) -> torch.Tensor:
-        T, L = q_THD.shape[0], ctx_L2GD.shape[0]
         rep = self.H // self.G
         k_HLD = ctx_L2GD[:, 0].repeat_interleave(rep, dim=1).transpose(0, 1)
         v_HLD = ctx_L2GD[:, 1].repeat_interleave(rep, dim=1).transpose(0, 1)
-        mask = causal_bias(T, L, q_THD.dtype, q_THD.device)
-        out_HTD = F.scaled_dot_product_attention(
-            q_THD.transpose(0, 1), k_HLD, v_HLD, attn_mask=mask, scale=self.scale
-        )
+        out_HTD = causal_attention(q_THD.transpose(0, 1), k_HLD, v_HLD, self.scale)
         return out_HTD.transpose(0, 1)
 
     def _attend_decode(

@@ -20,17 +20,18 @@ H * (N + R + V). Two ways to attend over it, kept side by side:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.distributed.groups import Axis
-from moeserve.layers.attention_meta import AttentionMetadata, causal_bias
+from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, copy_into
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import attention as cpu_attention
+from moeserve.ops.cpu import rope as rope_kernels
+from moeserve.ops.prefill_attention import causal_attention
 from moeserve.quant.int8 import dense
 
 
@@ -113,13 +114,29 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(qkv_a[:, :Q]))
         q_THK = q.view(T, self.H, self.N + self.R)
+        rot, norm = self.rotary, self.kv_a_layernorm
+        # q_pe roped in place, [norm(c_kv) | rope(k_pe)] written into the cache: one C call
+        fused = self.kv_cache is not None and rope_kernels.mla_rope_cache(
+            q_THK,
+            qkv_a[:, Q:],
+            norm.weight,
+            norm.eps,
+            rot.cos_cached,
+            rot.sin_cached,
+            positions_T,
+            rot.interleave,
+            self.kv_cache,
+            meta.slot_mapping_T,
+        )
         q_nope_THN, q_pe_THR = q_THK.split([self.N, self.R], dim=-1)
-        q_pe_THR = self.rotary(positions_T, q_pe_THR)
-        c_kv_TC = self.kv_a_layernorm(qkv_a[:, Q : Q + self.C])
-        k_pe_TR = self.rotary(positions_T, qkv_a[:, Q + self.C :])
-        latent_T = torch.cat((c_kv_TC, k_pe_TR), dim=-1)
-        if self.kv_cache is not None:
-            self.kv_cache.index_copy_(0, meta.slot_mapping_T, latent_T)
+        latent_T = None  # this step's latent rows, when they are not read back from the cache
+        if not fused:  # the reference path
+            q_pe_THR = rot(positions_T, q_pe_THR)
+            c_kv_TC = norm(qkv_a[:, Q : Q + self.C])
+            k_pe_TR = rot(positions_T, qkv_a[:, Q + self.C :])
+            latent_T = torch.cat((c_kv_TC, k_pe_TR), dim=-1)
+            if self.kv_cache is not None:
+                self.kv_cache.index_copy_(0, meta.slot_mapping_T, latent_T)
 
         nd = meta.num_decodes
         if nd and nd == T:  # decodes only: their output is the whole output
@@ -131,7 +148,11 @@ class MLAttention(nn.Module):
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             if chunk.slots_L is None:
-                ctx_LK = latent_T[rows]
+                ctx_LK = (
+                    latent_T[rows]
+                    if latent_T is not None
+                    else self.kv_cache.index_select(0, meta.slot_mapping_T[rows])
+                )
             else:
                 ctx_LK = self.kv_cache.index_select(0, chunk.slots_L)
             out_THV[rows] = self.forward_naive(q_nope_THN[rows], q_pe_THR[rows], ctx_LK)
@@ -141,17 +162,14 @@ class MLAttention(nn.Module):
         self, q_nope_THN: torch.Tensor, q_pe_THR: torch.Tensor, ctx_LK: torch.Tensor
     ) -> torch.Tensor:
         """One sequence's chunk: queries are the last T of its L context positions."""
-        T, L = q_nope_THN.shape[0], ctx_LK.shape[0]
+        L = ctx_LK.shape[0]
         c_kv_LC, k_pe_LR = ctx_LK.split([self.C, self.R], dim=-1)
         kv_LHK = self.kv_b_proj(c_kv_LC).view(L, self.H, self.N + self.V)
         k_nope_LHN, v_LHV = kv_LHK.split([self.N, self.V], dim=-1)
         k_HLK = torch.cat((k_nope_LHN, k_pe_LR[:, None, :].expand(L, self.H, self.R)), dim=-1)
         k_HLK = k_HLK.transpose(0, 1)
         q_HTK = torch.cat((q_nope_THN, q_pe_THR), dim=-1).transpose(0, 1)
-        mask = causal_bias(T, L, q_HTK.dtype, q_HTK.device)
-        out_HTV = F.scaled_dot_product_attention(
-            q_HTK, k_HLK, v_LHV.transpose(0, 1), attn_mask=mask, scale=self.scale
-        )
+        out_HTV = causal_attention(q_HTK, k_HLK, v_LHV.transpose(0, 1), self.scale)
         return out_HTV.transpose(0, 1)
 
     def forward_absorbed(
