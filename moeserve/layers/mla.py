@@ -30,6 +30,7 @@ from moeserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import attention as cpu_attention
+from moeserve.ops.cpu import kernels as cpu_kernels
 from moeserve.ops.cpu import rope as rope_kernels
 from moeserve.ops.prefill_attention import causal_attention
 from moeserve.quant.int8 import dense
@@ -70,15 +71,16 @@ class MLAttention(nn.Module):
         self.scale = yarn_softmax_scale(c.rope, self.N + self.R)
         self.kv_cache: torch.Tensor | None = None  # [num_slots, C + R], bound by the runner
         # absorbed weights, derived from kv_b_proj after loading
-        self.w_uk_HNC: torch.Tensor | None = None
-        self.w_uv_HCV: torch.Tensor | None = None
+        # absorbed weights, as [out, in] blocks per head for the per-head GEMM kernel
+        self.w_uk_HCN: torch.Tensor | None = None  # q_lat[h] = q_nope[h] @ W_UK[h]
+        self.w_uv_HVC: torch.Tensor | None = None  # out[h] = o_lat[h] @ W_UV[h]
 
     def process_weights_after_loading(self) -> None:
         # an int8 kv_b_proj (quant/) is absorbed dequantized, in the model dtype
         w = dense(self.kv_b_proj.weight, self.kv_a_layernorm.weight.dtype)
         w = w.view(self.H, self.N + self.V, self.C)
-        self.w_uk_HNC = w[:, : self.N, :].contiguous()
-        self.w_uv_HCV = w[:, self.N :, :].transpose(1, 2).contiguous()
+        self.w_uk_HCN = w[:, : self.N, :].transpose(1, 2).contiguous()
+        self.w_uv_HVC = w[:, self.N :, :].contiguous()
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         specs: dict[str, WeightSpec] = {}
@@ -179,8 +181,11 @@ class MLAttention(nn.Module):
         kernel reads each cached latent row once, straight from its block; the gather
         reference (``mla_decode_ref``) runs where it does not apply."""
         B = q_nope_BHN.shape[0]
-        # q_lat[b, h] = q_nope[b, h] @ W_UK[h]; head-major, as the bmms want it
-        q_lat_HBC = torch.bmm(q_nope_BHN.transpose(0, 1), self.w_uk_HNC)
+        # q_lat[b, h] = q_nope[b, h] @ W_UK[h]; head-major
+        q_nope_HBN = q_nope_BHN.transpose(0, 1)
+        q_lat_HBC = cpu_kernels.head_gemm_nt(q_nope_HBN, self.w_uk_HCN)
+        if q_lat_HBC is None:  # the reference
+            q_lat_HBC = torch.bmm(q_nope_HBN, self.w_uk_HCN.transpose(1, 2))
         o_lat_HBC = q_lat_HBC.new_empty(self.H, B, self.C)
         done = cpu_attention.mla_decode(
             q_lat_HBC.transpose(0, 1),
@@ -202,5 +207,8 @@ class MLAttention(nn.Module):
                 self.scale,
             )
             o_lat_HBC = o_lat_BHC.transpose(0, 1)
-        # out[b, h] = o_lat[b, h] @ W_UV[h]  -> [B, H, V]
-        return torch.bmm(o_lat_HBC, self.w_uv_HCV).transpose(0, 1)
+        # out[b, h] = o_lat[b, h] @ W_UV[h]  -> [B, H, V], written batch-major for o_proj
+        out_BHV = o_lat_HBC.new_empty(B, self.H, self.V)
+        if cpu_kernels.head_gemm_nt(o_lat_HBC, self.w_uv_HVC, out_BHV.transpose(0, 1)) is None:
+            out_BHV.transpose(0, 1).copy_(torch.bmm(o_lat_HBC, self.w_uv_HVC.transpose(1, 2)))
+        return out_BHV

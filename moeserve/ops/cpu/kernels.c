@@ -273,3 +273,21 @@ void moeserve_route_grouped_sigmoid(int64_t T, int64_t E, int64_t n_group, int64
         for (int64_t k = 0; k < top_k; k++) weights[t * top_k + k] *= f;
     }
 }
+
+/* Per-head few-row GEMMs, one call for all heads: y[h] = x[h] @ w[h]^T for h < Hh, with
+ * x[h] rows at x + h*sxh + m*sxm, w[h] an [N, K] block at w + h*swh (row stride ldw), y[h]
+ * rows at y + h*syh + m*sym. MLA's absorbed decode uses it for q_nope @ W_UK and
+ * o_lat @ W_UV (16 small weights per layer); the threads share the (head, row pair) jobs. */
+void moeserve_head_gemm_nt_small(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
+                                 int64_t sxh, int64_t sxm, const float *w, int64_t swh,
+                                 int64_t ldw, float *y, int64_t syh, int64_t sym) {
+    const int64_t pairs = (N + 1) / 2, pf = prefetch_ahead(ldw);
+#pragma omp parallel for schedule(static) if (Hh * N * K >= 32768)
+    for (int64_t job = 0; job < Hh * pairs; job++) {
+        const int64_t h = job / pairs, n0 = 2 * (job % pairs);
+        const int two = n0 + 1 < N;
+        const float *w0 = w + h * swh + n0 * ldw;
+        pair_rows(M, K, x + h * sxh, sxm, w0, w0 + (two ? ldw : 0), two, y + h * syh + n0, sym,
+                  pf);
+    }
+}

@@ -33,6 +33,9 @@ def _library() -> ctypes.CDLL | None:
     build.declare(
         lib, "moeserve_moe_small", I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR
     )
+    build.declare(
+        lib, "moeserve_head_gemm_nt_small", *(I64,) * 4, PTR, I64, I64, PTR, I64, I64, PTR, I64, I64
+    )
     return lib
 
 
@@ -193,3 +196,41 @@ def route_grouped_sigmoid(
         weights.data_ptr(),
     )
     return weights, ids
+
+
+def head_gemm_nt(
+    x_HMK: torch.Tensor, w_HNK: torch.Tensor, out_HMN: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``x[h] @ w[h].T`` for every head h in one call (``torch.bmm(x, w.transpose(1, 2))`` is
+    the reference); None when the kernel does not apply. Any head/row strides with unit-stride
+    rows; ``out_HMN`` receives the result when given."""
+    H, M, K = x_HMK.shape
+    N = w_HNK.shape[1]
+    if not (
+        0 < M <= MAX_ROWS
+        and x_HMK.dtype == w_HNK.dtype == torch.float32
+        and x_HMK.device.type == "cpu"
+        and x_HMK.stride(2) == 1
+        and w_HNK.stride(2) == 1
+        and (out_HMN is None or (out_HMN.stride(2) == 1 and out_HMN.dtype == torch.float32))
+        and available()
+    ):
+        return None
+    if out_HMN is None:
+        out_HMN = torch.empty(H, M, N, dtype=torch.float32)
+    _library().moeserve_head_gemm_nt_small(
+        H,
+        M,
+        N,
+        K,
+        x_HMK.data_ptr(),
+        x_HMK.stride(0),
+        x_HMK.stride(1),
+        w_HNK.data_ptr(),
+        w_HNK.stride(0),
+        w_HNK.stride(1),
+        out_HMN.data_ptr(),
+        out_HMN.stride(0),
+        out_HMN.stride(1),
+    )
+    return out_HMN

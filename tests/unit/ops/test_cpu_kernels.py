@@ -91,3 +91,20 @@ def test_rms_norm_kernel_matches_reference():
     torch.testing.assert_close(got, F.rms_norm(x, (1003,), w, 1e-6), rtol=1e-5, atol=1e-5)
     too_many = torch.randn(kernels.MAX_ROWS + 1, 8)
     assert kernels.rms_norm(too_many, torch.ones(8), 1e-6) is None
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 64])
+def test_head_gemm_matches_bmm(M):
+    """Per-head GEMMs as MLA's absorbed decode calls them: head-major views of batch-major
+    tensors in, a batch-major output written through a transposed view."""
+    g = torch.Generator().manual_seed(M)
+    H, N, K = 5, 33, 40
+    x_MHK = torch.randn(M, H, K + 3, generator=g)[:, :, 3:]  # row stride != K
+    w_HNK = torch.randn(H, N, K, generator=g)
+    x_HMK = x_MHK.transpose(0, 1)
+    want = torch.bmm(x_HMK, w_HNK.transpose(1, 2))
+    torch.testing.assert_close(kernels.head_gemm_nt(x_HMK, w_HNK), want, rtol=1e-5, atol=1e-4)
+    out_MHN = torch.full((M, H, N), 7.0)
+    assert kernels.head_gemm_nt(x_HMK, w_HNK, out_MHN.transpose(0, 1)) is not None
+    torch.testing.assert_close(out_MHN.transpose(0, 1), want, rtol=1e-5, atol=1e-4)
+    assert kernels.head_gemm_nt(x_HMK.double(), w_HNK.double()) is None

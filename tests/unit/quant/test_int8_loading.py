@@ -87,7 +87,7 @@ def test_what_is_quantized_and_what_stays(checkpoints):
     # the absorbed MLA weights are the dequantized kv_b_proj, in fp32
     attn = layer.self_attn
     kv_b = attn.kv_b_proj.weight.dequantize().view(attn.H, attn.N + attn.V, attn.C)
-    assert torch.equal(attn.w_uk_HNC, kv_b[:, : attn.N])
+    assert torch.equal(attn.w_uk_HCN, kv_b[:, : attn.N].transpose(1, 2))
     fp32, _, _ = load_model(checkpoints["deepseek_v3"], torch.float32)
     nbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in (model, fp32)]
     assert nbytes[0] < 0.45 * nbytes[1]
