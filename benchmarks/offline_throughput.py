@@ -102,7 +102,7 @@ def run_moeserve(
     case (read bandwidth for decode, GEMM peak for prefill; the better of before and after)."""
     llm = LLM(
         model=model_dir,
-        dtype="float32",
+        dtype=args.dtype,
         **({} if fmt == "fp32" else {"quantization": fmt}),
         device=args.device,
         max_num_seqs=max(args.batches),
@@ -139,7 +139,7 @@ def run_moeserve(
 def run_transformers(args, model_dir: str, vocab: int) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
     hf = hf.to(args.device).eval()
     out: dict[str, float] = {}
     with torch.inference_mode():
@@ -158,7 +158,8 @@ def rooflines(args, fmt: str, machine: dict[str, float]) -> dict[str, float]:
     ctx = PROMPT_LEN + args.new_tokens // 2  # mean context over the timed steps
     roof = {}
     for b in args.batches:
-        step_bytes = decode_bytes_per_step(BENCH_CONFIG, b, ctx, fmt)
+        weights = "bf16" if fmt == "fp32" and args.dtype != "float32" else fmt
+        step_bytes = decode_bytes_per_step(BENCH_CONFIG, b, ctx, weights)
         roof[f"decode_b{b}"] = b * machine[f"decode_b{b}"] / step_bytes
     for n in args.prefill:
         roof[f"prefill_{n}"] = n * machine[f"prefill_{n}"] / prefill_flops(BENCH_CONFIG, n)
@@ -198,6 +199,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default="fp32,int8", help="weight formats: fp32, int8")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="compute dtype of both engines (bfloat16 on GPUs; the fp32 format's weights then "
+        "use it too)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu | cuda (transformers runs there too)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--new-tokens", type=int, default=32)

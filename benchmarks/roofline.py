@@ -19,6 +19,7 @@ import torch
 FORMATS = {
     "fp32": dict(linear=4.0, scale=0.0, kv_b=4.0),
     "int8": dict(linear=1.0, scale=4.0, kv_b=4.0),
+    "bf16": dict(linear=2.0, scale=0.0, kv_b=2.0),  # the fp32 format run in bf16 (GPUs)
 }
 
 

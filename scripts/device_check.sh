@@ -17,7 +17,8 @@ parity=${PIPESTATUS[0]}
 
 for dtype in bfloat16 float32; do
   timeout 240 python3 benchmarks/offline_throughput.py --device cuda --dtype "$dtype" \
-    --threads 16 --batches 1,8,32,64 --out "$out/offline_cuda_$dtype.json" 2>&1 \
+    --formats fp32 --threads 16 --batches 1,8,32,64 --prefill 512,2048 \
+    --out "$out/offline_cuda_$dtype.json" --plot "$out/offline_cuda_$dtype.png" 2>&1 \
     | grep -v "Loading weights" | tee "$out/offline_cuda_$dtype.log"
 done
 echo "parity exit code: $parity"
