@@ -129,11 +129,6 @@ class MachineProbe:
         return measure_gemm_peak(self.device, repeats)
 
 
-def measure_read_bandwidth(device: str = "cpu", gib: float = 1.0, repeats: int = 5) -> float:
-    """Best-of-N bytes/s for summing a large fp32 tensor (a streaming read)."""
-    return MachineProbe(device, gib).bandwidth(repeats)
-
-
 def measure_gemm_peak(device: str = "cpu", repeats: int = 5) -> float:
     """Best fp32 FLOP/s of ``F.linear`` over a few large shapes (the prefill ceiling)."""
     best = 0.0
