@@ -23,6 +23,7 @@ from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
 from moeserve.kvcache.pool import KVCachePool
 from moeserve.models.loader import load_model
+from moeserve.ops.cpu.allocator import keep_freed_memory
 from moeserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class LLMEngine:
             quantization=config.quantization,
         )
         self.load_rss_bytes = resident_bytes() - rss0  # what loading kept resident
+        if self.device.type == "cpu":
+            # from here on, step temporaries reuse freed pages instead of faulting in fresh
+            # ones (after loading, so its temporaries still go back to the OS)
+            keep_freed_memory()
         # an idle replica must still join the expert all-to-alls of a step
         dims = groups.dims
         self.run_empty_when_idle = dims.enable_expert_parallel and dims.dp > 1
