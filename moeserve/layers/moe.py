@@ -79,7 +79,14 @@ class Router(nn.Module):
             else None
         )
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        counts_E: torch.Tensor | None = None,
+        extra_id: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_w_TK, topk_ids_TK)``. ``counts_E`` gains one per routed choice; with
+        ``extra_id`` every token also gets that slot at weight 1 (the last column)."""
         c = self.config
         if self.sigmoid:
             logits_TE = linear(x_TD.float(), self.weight)
@@ -92,10 +99,23 @@ class Router(nn.Module):
                 c.norm_topk_prob,
                 c.routed_scaling_factor,
             )
-            return kernels.route_grouped_sigmoid(*args) or route_grouped_sigmoid(*args)
-        # Qwen computes its router logits in the model dtype
-        logits_TE = F.linear(x_TD, self.weight.to(x_TD.dtype))
-        return route_softmax(logits_TE, c.num_experts_per_tok, c.norm_topk_prob)
+            fast = kernels.route_grouped_sigmoid(*args, counts_E=counts_E, extra_id=extra_id)
+            if fast is not None:  # counted and extended in C
+                return fast
+            topk_w_TK, topk_ids_TK = route_grouped_sigmoid(*args)
+        else:
+            # Qwen computes its router logits in the model dtype
+            logits_TE = F.linear(x_TD, self.weight.to(x_TD.dtype))
+            topk_w_TK, topk_ids_TK = route_softmax(
+                logits_TE, c.num_experts_per_tok, c.norm_topk_prob
+            )
+        if counts_E is not None:
+            counts_E += torch.bincount(topk_ids_TK.flatten(), minlength=counts_E.shape[0])
+        if extra_id is not None:
+            T = topk_ids_TK.shape[0]
+            topk_ids_TK = torch.cat((topk_ids_TK, topk_ids_TK.new_full((T, 1), extra_id)), 1)
+            topk_w_TK = torch.cat((topk_w_TK, topk_w_TK.new_ones(T, 1)), 1)
+        return topk_w_TK, topk_ids_TK
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         from moeserve.layers.linear import copy_into
@@ -209,6 +229,7 @@ class FusedExperts(nn.Module):
         ffn: int,
         dtype=torch.float32,
         tp: Axis | None = None,
+        extra_slots: int = 0,
     ) -> None:
         super().__init__()
         self.tp = tp or Axis.single("tp")
@@ -216,7 +237,9 @@ class FusedExperts(nn.Module):
             raise ValueError(f"expert FFN size {ffn} does not divide by tp={self.tp.size}")
         self.slot_experts = list(slot_experts)
         self.full_ffn, self.ffn = ffn, ffn // self.tp.size
-        S = len(self.slot_experts)
+        # slots after the routed ones hold other FFNs of the same shape (a shared expert run
+        # in the same call as the routed ones): loaded through slot_specs
+        S = len(self.slot_experts) + extra_slots
         self.w13_EFD = nn.Parameter(
             torch.empty(S, 2 * self.ffn, hidden, dtype=dtype), requires_grad=False
         )
@@ -240,23 +263,30 @@ class FusedExperts(nn.Module):
         return experts_sorted(x_RD, weight_R, slot_counts, self.w13_EFD, self.w2_EDF)
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
-        f, d, r = self.ffn, self.w13_EFD.shape[2], self.tp.rank
         slots: dict[int, list[int]] = {}
         for s, e in enumerate(self.slot_experts):
             slots.setdefault(e, []).append(s)
         specs: dict[str, WeightSpec] = {}
         for e, ss in slots.items():
-            p = f"{prefix}.{e}"
-            specs[f"{p}.gate_proj.weight"] = _slots_spec(
-                (self.full_ffn, d), self.w13_EFD, ss, slice(0, f), 0, r, f
-            )
-            specs[f"{p}.up_proj.weight"] = _slots_spec(
-                (self.full_ffn, d), self.w13_EFD, ss, slice(f, 2 * f), 0, r, f
-            )
-            specs[f"{p}.down_proj.weight"] = _slots_spec(
-                (d, self.full_ffn), self.w2_EDF, ss, slice(None), 1, r, f
-            )
+            specs.update(self.slot_specs(f"{prefix}.{e}", ss))
         return specs
+
+    def slot_specs(self, prefix: str, slots: list[int]) -> dict[str, WeightSpec]:
+        """Specs that load one gated FFN's ``gate_proj``/``up_proj``/``down_proj`` (this
+        rank's F / tp share) into every slot in ``slots``."""
+        f, d, r = self.ffn, self.w13_EFD.shape[2], self.tp.rank
+        full = (self.full_ffn, d)
+        return {
+            f"{prefix}.gate_proj.weight": _slots_spec(
+                full, self.w13_EFD, slots, slice(0, f), 0, r, f
+            ),
+            f"{prefix}.up_proj.weight": _slots_spec(
+                full, self.w13_EFD, slots, slice(f, 2 * f), 0, r, f
+            ),
+            f"{prefix}.down_proj.weight": _slots_spec(
+                (d, self.full_ffn), self.w2_EDF, slots, slice(None), 1, r, f
+            ),
+        }
 
 
 def _slots_spec(

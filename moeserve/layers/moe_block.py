@@ -67,11 +67,22 @@ class MoEBlock(nn.Module):
             self.placement = None
             slots = list(range(E))
             expert_tp = shared_tp = self.tp
-        self.experts = FusedExperts(slots, D, config.moe_intermediate_size, dtype, expert_tp)
+        # without EP, an ungated shared expert as wide as a routed one (DeepSeek) is one more
+        # slot of the routed experts (slot E, weight 1 for every token): one call computes
+        # routed and shared together. Under EP it stays apart, to run during the dispatch.
+        shared_F = config.shared_expert_intermediate_size
+        fold = (
+            self.placement is None
+            and bool(shared_F)
+            and shared_F == config.moe_intermediate_size
+            and not config.shared_expert_gate
+        )
+        self.shared_slot = E if fold else None
+        self.experts = FusedExperts(
+            slots, D, config.moe_intermediate_size, dtype, expert_tp, extra_slots=int(fold)
+        )
         self.shared = (
-            GatedMLP(D, config.shared_expert_intermediate_size, dtype, shared_tp, reduce=False)
-            if config.shared_expert_intermediate_size
-            else None
+            GatedMLP(D, shared_F, dtype, shared_tp, reduce=False) if shared_F and not fold else None
         )
         self.shared_gate = (
             Linear(D, 1, dtype=dtype)
@@ -90,17 +101,13 @@ class MoEBlock(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.placement is None:
-            topk_w_TK, topk_ids_TK = self.gate(x_TD)
-            self._count(topk_ids_TK)
+            # routed choices counted; every token also to the shared slot when it is folded
+            topk_w_TK, topk_ids_TK = self.gate(x_TD, self.expert_counts_E, self.shared_slot)
             y_TD = self.experts(x_TD, topk_w_TK, topk_ids_TK)
             if self.shared is not None:
                 y_TD = y_TD + self._shared(x_TD)
             return self.tp.all_reduce(y_TD)
         return self._forward_ep(x_TD)
-
-    def _count(self, topk_ids_TK: torch.Tensor) -> None:
-        E = self.expert_counts_E.shape[0]
-        self.expert_counts_E += torch.bincount(topk_ids_TK.flatten(), minlength=E)
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         s_TD = self.shared(x_TD)
@@ -113,8 +120,7 @@ class MoEBlock(nn.Module):
         # the TP ranks of a replica hold the same T rows: each routes and dispatches its share
         chunk = -(-T // tp.size)
         x_local = x_TD[tp.rank * chunk : (tp.rank + 1) * chunk]
-        topk_w, topk_ids = self.gate(x_local)
-        self._count(topk_ids)
+        topk_w, topk_ids = self.gate(x_local, self.expert_counts_E)
         y_local = ep_moe_forward(
             x_local,
             topk_w,
@@ -138,6 +144,9 @@ class MoEBlock(nn.Module):
         specs.update(self.experts.weight_specs(f"{prefix}.experts"))
         if self.shared is not None:
             specs.update(self.shared.weight_specs(f"{prefix}.{self.shared_name}"))
+        if self.shared_slot is not None:
+            shared_prefix = f"{prefix}.{self.shared_name}"
+            specs.update(self.experts.slot_specs(shared_prefix, [self.shared_slot]))
         if self.shared_gate is not None:
             specs.update(self.shared_gate.weight_specs(f"{prefix}.shared_expert_gate"))
         return specs

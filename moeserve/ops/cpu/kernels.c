@@ -230,7 +230,11 @@ void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, con
  * weights = scores of those, optionally renormalised, times scale. */
 void moeserve_route_grouped_sigmoid(int64_t T, int64_t E, int64_t n_group, int64_t topk_group,
                                     int64_t top_k, const float *logits, const float *bias,
-                                    int norm, float scale, int64_t *ids, float *weights) {
+                                    int norm, float scale, int64_t *ids, float *weights,
+                                    int64_t *counts, int64_t extra) {
+    /* a row of ids/weights holds top_k choices, then (extra >= 0) the id `extra` with weight
+     * 1 (the shared expert's slot); counts (if given) gains one per routed choice */
+    const int64_t ld = top_k + (extra >= 0);
     float score[1024], choice[1024], group_score[256];
     const int64_t per_group = E / n_group;
     for (int64_t t = 0; t < T; t++) {
@@ -264,13 +268,18 @@ void moeserve_route_grouped_sigmoid(int64_t T, int64_t E, int64_t n_group, int64
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++)
                 if (choice[e] != -INFINITY && (best < 0 || choice[e] > choice[best])) best = e;
-            ids[t * top_k + k] = best;
-            weights[t * top_k + k] = score[best];
+            ids[t * ld + k] = best;
+            weights[t * ld + k] = score[best];
             sum += score[best];
             choice[best] = -INFINITY;
+            if (counts) counts[best]++;
         }
         const float f = norm ? scale / (sum + 1e-20f) : scale;
-        for (int64_t k = 0; k < top_k; k++) weights[t * top_k + k] *= f;
+        for (int64_t k = 0; k < top_k; k++) weights[t * ld + k] *= f;
+        if (extra >= 0) {
+            ids[t * ld + top_k] = extra;
+            weights[t * ld + top_k] = 1.0f;
+        }
     }
 }
 

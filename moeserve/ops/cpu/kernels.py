@@ -28,7 +28,9 @@ def _library() -> ctypes.CDLL | None:
     build.declare(lib, "moeserve_gemm_nt_small", I64, I64, I64, PTR, I64, PTR, I64, PTR, I64)
     build.declare(lib, "moeserve_rms_norm", I64, I64, PTR, I64, PTR, F32, PTR, I64)
     build.declare(
-        lib, "moeserve_route_grouped_sigmoid", I64, I64, I64, I64, I64, PTR, PTR, INT, F32, PTR, PTR
+        lib,
+        "moeserve_route_grouped_sigmoid",
+        *(I64, I64, I64, I64, I64, PTR, PTR, INT, F32, PTR, PTR, PTR, I64),
     )
     build.declare(
         lib, "moeserve_moe_small", I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR
@@ -164,9 +166,12 @@ def route_grouped_sigmoid(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    counts_E: torch.Tensor | None = None,
+    extra_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """DeepSeek-V3 routing of few rows in C; None when it does not apply (the caller then runs
-    ``layers/moe.py: route_grouped_sigmoid``, the reference)."""
+    ``layers/moe.py: route_grouped_sigmoid``, the reference). ``counts_E`` (int64, contiguous)
+    gains one per routed choice; with ``extra_id`` every row ends with that id at weight 1."""
     T, E = logits_TE.shape
     if not (
         logits_TE.dtype == torch.float32
@@ -177,11 +182,13 @@ def route_grouped_sigmoid(
         and n_group <= 256
         and top_k <= topk_group * (E // n_group)
         and (bias_E is None or (bias_E.dtype == torch.float32 and bias_E.is_contiguous()))
+        and (counts_E is None or (counts_E.dtype == torch.int64 and counts_E.is_contiguous()))
         and available()
     ):
         return None
-    ids = torch.empty(T, top_k, dtype=torch.int64)
-    weights = torch.empty(T, top_k, dtype=torch.float32)
+    K = top_k + (extra_id is not None)
+    ids = torch.empty(T, K, dtype=torch.int64)
+    weights = torch.empty(T, K, dtype=torch.float32)
     _library().moeserve_route_grouped_sigmoid(
         T,
         E,
@@ -194,6 +201,8 @@ def route_grouped_sigmoid(
         scaling,
         ids.data_ptr(),
         weights.data_ptr(),
+        None if counts_E is None else counts_E.data_ptr(),
+        -1 if extra_id is None else extra_id,
     )
     return weights, ids
 

@@ -108,3 +108,21 @@ def test_head_gemm_matches_bmm(M):
     assert kernels.head_gemm_nt(x_HMK, w_HNK, out_MHN.transpose(0, 1)) is not None
     torch.testing.assert_close(out_MHN.transpose(0, 1), want, rtol=1e-5, atol=1e-4)
     assert kernels.head_gemm_nt(x_HMK.double(), w_HNK.double()) is None
+
+
+def test_routing_kernel_counts_and_appends_the_shared_slot():
+    from moeserve.layers.moe import route_grouped_sigmoid
+
+    g = torch.Generator().manual_seed(5)
+    logits, bias = torch.randn(9, 64, generator=g), torch.randn(64, generator=g) * 0.1
+    args = (logits, bias, 6, 8, 4, True, 2.5)
+    want_w, want_ids = route_grouped_sigmoid(*args)
+    counts = torch.full((64,), 3, dtype=torch.int64)
+    got_w, got_ids = kernels.route_grouped_sigmoid(*args, counts_E=counts, extra_id=64)
+    assert got_ids.shape == (9, 7) and (got_ids[:, 6] == 64).all() and (got_w[:, 6] == 1).all()
+    order_got, order_want = got_ids[:, :6].sort(dim=1), want_ids.sort(dim=1)
+    assert torch.equal(order_got.values, order_want.values)
+    torch.testing.assert_close(
+        got_w[:, :6].gather(1, order_got.indices), want_w.gather(1, order_want.indices)
+    )
+    assert torch.equal(counts, 3 + torch.bincount(want_ids.flatten(), minlength=64))

@@ -76,7 +76,8 @@ def test_what_is_quantized_and_what_stays(checkpoints):
     assert isinstance(layer.self_attn.q_b_proj.weight, Int8Weight)
     assert isinstance(layer.self_attn.kv_b_proj.weight, Int8Weight)
     assert isinstance(layer.mlp.experts.w13_EFD, Int8Weight)
-    assert isinstance(layer.mlp.shared.down_proj.weight, Int8Weight)
+    # the shared expert (as wide as a routed one) is the routed experts' last slot
+    assert layer.mlp.shared is None and layer.mlp.shared_slot == layer.mlp.gate.weight.shape[0]
     assert isinstance(model.layers[0].mlp.gate_up_proj.weight, Int8Weight)
     assert isinstance(model.lm_head.weight, Int8Weight)
     for m in model.modules():  # routers, embeddings, norms keep fp32
