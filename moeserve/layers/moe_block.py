@@ -3,7 +3,9 @@
 Shape legend: T tokens, Tl this TP rank's share of them, D model dim, E logical experts,
 K top-k, R rows dispatched to this rank.
 
-    one process        gate -> experts (all E) -> + shared
+    one process        gate -> experts (all E) -> + shared; a shared expert as wide as a
+                       routed one and ungated (DeepSeek) is slot E of the routed experts,
+                       so one call computes both
     TP, no EP          every rank: all E experts with F / tp each; shared expert split the
                        same way; one all-reduce over tp sums routed + shared partials
     EP (= tp x dp)     rank holds E / ep experts (slots from an ExpertPlacement table);
