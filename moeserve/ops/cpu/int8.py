@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from moeserve.config import cpu_flags
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.build import I64, INT, PTR
+from moeserve.ops.cpu.kernels import moe_call_buffers
 from moeserve.quant.int8 import Int8Tensor
 
 _SOURCE = Path(__file__).with_name("int8.c")
@@ -167,16 +168,8 @@ def moe_experts(
     """Rows of ``x_RD`` sorted by expert through their experts' gated FFN (int8 ``w13``
     ``[E, 2F, D]``, ``w2`` ``[E, D, F]``), each times its routing weight, in one kernel call;
     ``avx512`` overrides :func:`wide`. The reference is :func:`moe_int8_ref`."""
-    R, D = x_RD.shape
-    F_ = w2.q.shape[2]
-    starts, total = [], 0
-    for n in counts:
-        starts.append(total)
-        total += n
-    meta = torch.tensor([experts, starts, counts], dtype=torch.int64)
-    weight_R = weight_R.to(torch.float32).contiguous()
-    h = torch.empty(R, 2 * F_, dtype=torch.float32)
-    y = torch.empty(R, D, dtype=torch.float32)
+    D, F_ = x_RD.shape[1], w2.q.shape[2]
+    meta, weight_R, h, y = moe_call_buffers(x_RD.shape[0], D, F_, experts, counts, weight_R)
     _library().moeserve_int8_moe_small(
         len(experts),
         meta[0].data_ptr(),

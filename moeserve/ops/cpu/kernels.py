@@ -8,6 +8,7 @@ references.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from functools import lru_cache
 from pathlib import Path
 
@@ -99,6 +100,19 @@ def moe_usable(
     )
 
 
+def moe_call_buffers(
+    R: int, D: int, F: int, experts: list[int], counts: list[int], weight_R: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a one-call MoE kernel (fp32 here, int8 in ``int8.py``) takes besides the weights:
+    the groups' ``[expert, first row, rows]`` table ``[3, G]``, the routing weights in fp32,
+    and the hidden ``[R, 2F]`` and output ``[R, D]`` buffers."""
+    starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    meta = torch.tensor([experts, starts, counts], dtype=torch.int64)
+    h = torch.empty(R, 2 * F, dtype=torch.float32)
+    y = torch.empty(R, D, dtype=torch.float32)
+    return meta, weight_R.to(torch.float32).contiguous(), h, y
+
+
 def moe_experts(
     x_RD: torch.Tensor,
     experts: list[int],
@@ -110,16 +124,8 @@ def moe_experts(
     """Rows of ``x_RD`` sorted by expert (``counts[i]`` rows for ``experts[i]``) through their
     experts' gated FFN, each scaled by its routing weight; the reference is the loop in
     ``layers/moe.py: moe_grouped``."""
-    R, D = x_RD.shape
-    F = w2_EDF.shape[2]
-    starts, total = [], 0
-    for n in counts:
-        starts.append(total)
-        total += n
-    meta = torch.tensor([experts, starts, counts], dtype=torch.int64)
-    weight_R = weight_R.to(torch.float32).contiguous()
-    h = torch.empty(R, 2 * F, dtype=torch.float32)
-    y = torch.empty(R, D, dtype=torch.float32)
+    D, F = x_RD.shape[1], w2_EDF.shape[2]
+    meta, weight_R, h, y = moe_call_buffers(x_RD.shape[0], D, F, experts, counts, weight_R)
     _library().moeserve_moe_small(
         len(experts),
         meta[0].data_ptr(),
