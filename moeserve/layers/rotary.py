@@ -96,10 +96,20 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions_T: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, ..., dim] -> same shape, rotated."""
         cos, sin = self._cos_sin(positions_T, x.dtype)
-        shape = (positions_T.shape[0],) + (1,) * (x.dim() - 2) + (self.dim // 2,)
-        cos, sin = cos.view(shape), sin.view(shape)
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x[..., : self.dim // 2], x[..., self.dim // 2 :]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return apply_rope(x, cos, sin, self.interleave)
+
+
+def apply_rope(
+    x: torch.Tensor, cos_TX: torch.Tensor, sin_TX: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    """RoPE of the last dim of ``x [T, ..., R]`` with the cos/sin rows ``[T, R/2]`` of its
+    positions; interleaved pairs come out de-interleaved (the C kernel of
+    ``ops/cpu/rope.c`` does the same arithmetic)."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos_TX.shape[-1],)
+    cos, sin = cos_TX.view(shape), sin_TX.view(shape)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moeserve.layers.rotary import apply_rope
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.build import F32, I64, INT, PTR
 
@@ -45,21 +46,6 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def rope_ref(
-    x: torch.Tensor, cos_TX: torch.Tensor, sin_TX: torch.Tensor, interleave: bool
-) -> torch.Tensor:
-    """RoPE of the last dim of ``x [T, ..., R]`` with cos/sin rows ``[T, R/2]`` (the
-    arithmetic of ``layers/rotary.py``); interleaved pairs come out de-interleaved."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos_TX.shape[-1],)
-    cos, sin = cos_TX.view(shape), sin_TX.view(shape)
-    if interleave:
-        a, b = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        a, b = x[..., :half], x[..., half:]
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-
-
 def mla_rope_cache_ref(
     q_THK: torch.Tensor,
     kv_TL: torch.Tensor,
@@ -79,9 +65,9 @@ def mla_rope_cache_ref(
     R = kv_TL.shape[-1] - C
     cos, sin = cos_PX[positions_T], sin_PX[positions_T]
     q_pe = q_THK[..., -R:]
-    q_pe.copy_(rope_ref(q_pe, cos, sin, interleave))
+    q_pe.copy_(apply_rope(q_pe, cos, sin, interleave))
     c_kv = F.rms_norm(kv_TL[:, :C], (C,), norm_w_C, eps)
-    k_pe = rope_ref(kv_TL[:, C:], cos, sin, interleave)
+    k_pe = apply_rope(kv_TL[:, C:], cos, sin, interleave)
     cache_SL.index_copy_(0, slots_T, torch.cat((c_kv, k_pe), dim=-1))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.layers.rotary import RotaryEmbedding, apply_rope
 from moeserve.models.hf_config import RopeConfig
 from moeserve.ops.cpu import rope
 
@@ -42,12 +42,12 @@ def test_kernel_matches_reference(interleave, T, H, N, R, C, Q):
 
 
 @pytest.mark.parametrize("interleave", [False, True])
-def test_reference_rope_is_the_layers_rotary(interleave):
+def test_rotary_module_looks_up_the_positions_rows(interleave):
     rot = RotaryEmbedding(RopeConfig(theta=10000.0, interleave=interleave), 16, 128)
     x = torch.randn(5, 3, 16)
     pos = torch.tensor([0, 3, 7, 100, 127])
     want = rot(pos, x)
-    got = rope.rope_ref(x, rot.cos_cached[pos], rot.sin_cached[pos], interleave)
+    got = apply_rope(x, rot.cos_cached[pos], rot.sin_cached[pos], interleave)
     torch.testing.assert_close(got, want)
 
 
