@@ -24,6 +24,7 @@ from moeserve.engine.scheduler import Scheduler, SchedulerConfig
 from moeserve.kvcache.pool import KVCachePool
 from moeserve.models.loader import load_model
 from moeserve.ops.cpu.allocator import keep_freed_memory
+from moeserve.ops.cpu.hugepages import move_to_huge_pages
 from moeserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class LLMEngine:
             moe_options=config.moe_options,
             quantization=config.quantization,
         )
+        # weights stream through 2 MB pages on a CPU (ops/cpu/hugepages.py)
+        self.huge_page_bytes = move_to_huge_pages(self.model) if self.device.type == "cpu" else 0
         self.load_rss_bytes = resident_bytes() - rss0  # what loading kept resident
         if self.device.type == "cpu":
             # from here on, step temporaries reuse freed pages instead of faulting in fresh

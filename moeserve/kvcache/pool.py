@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.models.base import KVCacheSpec
+from moeserve.ops.cpu.hugepages import huge_page_zeros
 
 
 @dataclass
@@ -31,10 +32,13 @@ class KVCachePool:
                 f"(one block of {block_size} tokens needs {spec.bytes_per_token * block_size} B)"
             )
         slots = num_blocks * block_size
-        caches = [
-            torch.zeros((slots, *spec.token_shape), dtype=spec.dtype, device=device)
-            for _ in range(spec.num_layers)
-        ]
+        shape = (slots, *spec.token_shape)
+        if torch.device(device).type == "cpu":  # in 2 MB pages where the kernel allows
+            caches = [huge_page_zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
+        else:
+            caches = [
+                torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+            ]
         return cls(spec, num_blocks, block_size, caches)
 
     @property
