@@ -2,23 +2,28 @@
 MoE layer, RMSNorm and DeepSeek's grouped routing, each for at most ``MAX_ROWS`` token rows,
 each with its pure-torch reference named in its docstring. ``ops/cpu/build.py`` compiles and
 loads the source; when that is not possible :func:`available` is False and callers use the
-references.
+references. The GEMMs (few-row, MoE, per-head) exist for AVX2+FMA and for AVX-512F;
+:func:`wide` picks AVX-512F where the CPU has it (``MOESERVE_CPU_AVX512=0`` keeps AVX2).
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from moeserve.config import cpu_flags
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.build import F32, I64, INT, PTR
 
 _SOURCE = Path(__file__).with_name("kernels.c")
-MAX_ROWS = 64  # measured faster than MKL's GEMM up to 64 rows here (docs/benchmarks.md)
+# measured faster than MKL's GEMM up to 128 rows here (96-128 rows: AVX-512 2.0-2.9x, AVX2
+# 1.1-1.4x; docs/benchmarks.md, benchmarks/fp32_gemm.py)
+MAX_ROWS = 128
 
 
 @lru_cache(maxsize=1)
@@ -26,7 +31,7 @@ def _library() -> ctypes.CDLL | None:
     lib = build.load(_SOURCE)
     if lib is None:
         return None
-    build.declare(lib, "moeserve_gemm_nt_small", I64, I64, I64, PTR, I64, PTR, I64, PTR, I64)
+    build.declare(lib, "moeserve_gemm_nt_small", I64, I64, I64, PTR, I64, PTR, I64, PTR, I64, INT)
     build.declare(lib, "moeserve_rms_norm", I64, I64, PTR, I64, PTR, F32, PTR, I64)
     build.declare(
         lib,
@@ -34,16 +39,32 @@ def _library() -> ctypes.CDLL | None:
         *(I64, I64, I64, I64, I64, PTR, PTR, INT, F32, PTR, PTR, PTR, I64),
     )
     build.declare(
-        lib, "moeserve_moe_small", I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR
+        lib,
+        "moeserve_moe_small",
+        *(I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, INT),
     )
     build.declare(
-        lib, "moeserve_head_gemm_nt_small", *(I64,) * 4, PTR, I64, I64, PTR, I64, I64, PTR, I64, I64
+        lib,
+        "moeserve_head_gemm_nt_small",
+        *(I64,) * 4,
+        *(PTR, I64, I64, PTR, I64, I64, PTR, I64, I64, INT),
     )
     return lib
 
 
 def available() -> bool:
     return _library() is not None
+
+
+@lru_cache(maxsize=1)
+def wide() -> bool:
+    """Whether the GEMMs run their AVX-512F variant (twice the lanes per FMA, twice the
+    registers) here."""
+    return "avx512f" in cpu_flags() and os.environ.get("MOESERVE_CPU_AVX512", "1") != "0"
+
+
+def _wide(avx512: bool | None) -> int:
+    return int(wide() if avx512 is None else avx512)
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -61,11 +82,14 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def gemm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemm_nt(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, avx512: bool | None = None
+) -> torch.Tensor:
     """``x @ w.T`` for ``x [M, K]`` (M <= MAX_ROWS), ``w [N, K]`` with unit-stride rows.
 
-    ``out`` ([M, N], unit-stride rows) receives the result when given. The caller checks
-    :func:`usable` first; the reference is ``F.linear(x, w)``.
+    ``out`` ([M, N], unit-stride rows) receives the result when given; ``avx512`` overrides
+    :func:`wide` (tests, benchmarks). The caller checks :func:`usable` first; the reference is
+    ``F.linear(x, w)``.
     """
     M, K = x.shape
     N = w.shape[0]
@@ -81,6 +105,7 @@ def gemm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -
         w.stride(0),
         out.data_ptr(),
         out.stride(0),
+        _wide(avx512),
     )
     return out
 
@@ -88,9 +113,10 @@ def gemm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -
 def moe_usable(
     x_RD: torch.Tensor, counts: list[int], w13_EFD: torch.Tensor, w2_EDF: torch.Tensor
 ) -> bool:
-    """Whether :func:`moe_experts` runs the kernel for these operands."""
+    """Whether :func:`moe_experts` runs the kernel for these operands (any number of rows per
+    expert: :func:`moe_call_buffers` splits larger groups)."""
     return (
-        0 < max(counts, default=0) <= MAX_ROWS
+        0 < max(counts, default=0)
         and x_RD.dtype == w13_EFD.dtype == w2_EDF.dtype == torch.float32
         and x_RD.device.type == "cpu"
         and x_RD.is_contiguous()
@@ -101,12 +127,26 @@ def moe_usable(
 
 
 def moe_call_buffers(
-    R: int, D: int, F: int, experts: list[int], counts: list[int], weight_R: torch.Tensor
+    R: int,
+    D: int,
+    F: int,
+    experts: list[int],
+    counts: list[int],
+    weight_R: torch.Tensor,
+    max_rows: int = MAX_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a one-call MoE kernel (fp32 here, int8 in ``int8.py``) takes besides the weights:
     the groups' ``[expert, first row, rows]`` table ``[3, G]``, the routing weights in fp32,
-    and the hidden ``[R, 2F]`` and output ``[R, D]`` buffers."""
+    and the hidden ``[R, 2F]`` and output ``[R, D]`` buffers. An expert's rows beyond
+    ``max_rows`` are split into near-equal groups of at most that many (prefill: the folded
+    shared expert takes every token), so G may exceed ``len(experts)``."""
     starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    if max(counts, default=0) > max_rows:
+        table = []
+        for e, first, n in zip(experts, starts, counts):
+            size = -(-n // -(-n // max_rows))  # n in ceil(n / max_rows) near-equal parts
+            table += [(e, first + r, min(size, n - r)) for r in range(0, n, size)]
+        experts, starts, counts = (list(col) for col in zip(*table))
     meta = torch.tensor([experts, starts, counts], dtype=torch.int64)
     h = torch.empty(R, 2 * F, dtype=torch.float32)
     y = torch.empty(R, D, dtype=torch.float32)
@@ -120,14 +160,15 @@ def moe_experts(
     w13_EFD: torch.Tensor,
     w2_EDF: torch.Tensor,
     weight_R: torch.Tensor,
+    avx512: bool | None = None,
 ) -> torch.Tensor:
     """Rows of ``x_RD`` sorted by expert (``counts[i]`` rows for ``experts[i]``) through their
-    experts' gated FFN, each scaled by its routing weight; the reference is the loop in
-    ``layers/moe.py: moe_grouped``."""
+    experts' gated FFN, each scaled by its routing weight; ``avx512`` overrides :func:`wide`.
+    The reference is the loop in ``layers/moe.py: moe_grouped``."""
     D, F = x_RD.shape[1], w2_EDF.shape[2]
     meta, weight_R, h, y = moe_call_buffers(x_RD.shape[0], D, F, experts, counts, weight_R)
     _library().moeserve_moe_small(
-        len(experts),
+        meta.shape[1],
         meta[0].data_ptr(),
         meta[1].data_ptr(),
         meta[2].data_ptr(),
@@ -139,6 +180,7 @@ def moe_experts(
         weight_R.data_ptr(),
         h.data_ptr(),
         y.data_ptr(),
+        _wide(avx512),
     )
     return y
 
@@ -214,11 +256,14 @@ def route_grouped_sigmoid(
 
 
 def head_gemm_nt(
-    x_HMK: torch.Tensor, w_HNK: torch.Tensor, out_HMN: torch.Tensor | None = None
+    x_HMK: torch.Tensor,
+    w_HNK: torch.Tensor,
+    out_HMN: torch.Tensor | None = None,
+    avx512: bool | None = None,
 ) -> torch.Tensor | None:
     """``x[h] @ w[h].T`` for every head h in one call (``torch.bmm(x, w.transpose(1, 2))`` is
     the reference); None when the kernel does not apply. Any head/row strides with unit-stride
-    rows; ``out_HMN`` receives the result when given."""
+    rows; ``out_HMN`` receives the result when given; ``avx512`` overrides :func:`wide`."""
     H, M, K = x_HMK.shape
     N = w_HNK.shape[1]
     if not (
@@ -247,5 +292,6 @@ def head_gemm_nt(
         out_HMN.data_ptr(),
         out_HMN.stride(0),
         out_HMN.stride(1),
+        _wide(avx512),
     )
     return out_HMN

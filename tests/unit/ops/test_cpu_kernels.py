@@ -1,4 +1,6 @@
-"""The few-row CPU GEMM kernel against its reference, ``F.linear``."""
+"""The fp32 CPU kernels against their pure-torch references: the few-row GEMM (``F.linear``),
+the one-call MoE (``moe_reference``), the per-head GEMM (``torch.bmm``), RMSNorm and routing.
+The GEMMs run on both of their variants where this CPU has them."""
 
 from __future__ import annotations
 
@@ -12,24 +14,33 @@ from moeserve.ops.linear import linear, linear_into
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason="no AVX2/FMA CPU or no C compiler: F.linear is used"
 )
+# both variants of every GEMM where this CPU runs them (AVX2 always, AVX-512F if present)
+ISAS = [False, True] if kernels.available() and kernels.wide() else [False]
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 12, 16, 33, 64])
-@pytest.mark.parametrize("N,K", [(64, 32), (33, 17), (130, 1001), (7, 8), (1, 3)])
-def test_matches_linear(M, N, K):
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 25, 33, 64, 70, 130])
+@pytest.mark.parametrize("N,K", [(64, 32), (33, 17), (130, 1001), (7, 8), (1, 3), (9, 72)])
+def test_matches_linear(M, N, K, avx512):
+    """Odd N and N % 4 != 0 (AVX-512 takes quads of weight rows), K not a multiple of 8, 16
+    or 64, M on both sides of a block (6 rows; 12 for AVX-512's pairs), of the AVX-512 pairs'
+    range (5..7 rows) and of MAX_ROWS (the kernel takes any M; the dispatch stops there)."""
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-    torch.testing.assert_close(kernels.gemm_nt(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    got = kernels.gemm_nt(x, w, avx512=avx512)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-def test_strided_operands_and_out():
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("M", [5, 20])
+def test_strided_operands_and_out(M, avx512):
     g = torch.Generator().manual_seed(0)
-    big_x = torch.randn(5, 100, generator=g)
+    big_x = torch.randn(M, 100, generator=g)
     stacked = torch.randn(3, 80, 100, generator=g)
     x, w = big_x[:, 10:74], stacked[1, 5:45, 20:84]  # row strides 100, unit column strides
     assert kernels.usable(x, w)
-    out = torch.full((5, 60), 7.0)
-    kernels.gemm_nt(x, w, out=out[:, 10:50])
+    out = torch.full((M, 60), 7.0)
+    kernels.gemm_nt(x, w, out=out[:, 10:50], avx512=avx512)
     torch.testing.assert_close(out[:, 10:50], F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert (out[:, :10] == 7).all() and (out[:, 50:] == 7).all()  # nothing outside written
 
@@ -47,12 +58,14 @@ def test_dispatch_falls_back_where_the_kernel_does_not_apply():
     torch.testing.assert_close(out, F.linear(x[:3], w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("T", [1, 5, 30])
-def test_moe_kernel_matches_reference(T):
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("T,D,Fd", [(1, 40, 24), (5, 40, 24), (30, 40, 24), (100, 37, 21)])
+def test_moe_kernel_matches_reference(T, D, Fd, avx512):
+    """Groups of 1 to ~35 rows (past a 12-row block); D odd and F odd in the last case."""
     from moeserve.layers.moe import moe_grouped, moe_reference
 
     g = torch.Generator().manual_seed(T)
-    E, D, Fd, K = 8, 40, 24, 2
+    E, K = 8, 2
     x = torch.randn(T, D, generator=g)
     w13, w2 = torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -62,12 +75,40 @@ def test_moe_kernel_matches_reference(T):
     order = flat.argsort(stable=True)
     counts_E = torch.bincount(flat, minlength=E).tolist()
     experts = [e for e in range(E) if counts_E[e]]
+    counts = [counts_E[e] for e in experts]
     y_RD = kernels.moe_experts(
-        x[order // K], experts, [counts_E[e] for e in experts], w13, w2, w.reshape(-1)[order]
+        x[order // K], experts, counts, w13, w2, w.reshape(-1)[order], avx512
     )
     got = torch.zeros_like(x).index_add_(0, order // K, y_RD)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(moe_grouped(x, w13, w2, w, ids), ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_moe_kernel_splits_groups_past_max_rows(avx512):
+    """Prefill: the folded shared-expert slot takes every token; its rows are split into
+    groups of at most MAX_ROWS and the one-call kernel still applies."""
+    from moeserve.layers.moe import experts_sorted
+
+    g = torch.Generator().manual_seed(3)
+    E, D, Fd = 3, 24, 20
+    counts = [5, 0, 2 * kernels.MAX_ROWS + 7]
+    R = sum(counts)
+    x, weight = torch.randn(R, D, generator=g), torch.rand(R, generator=g)
+    w13, w2 = torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+    want, start = torch.empty(R, D), 0
+    for e, n in enumerate(counts):
+        gate, up = F.linear(x[start : start + n], w13[e]).split(Fd, dim=-1)
+        want[start : start + n] = F.linear(F.silu(gate) * up, w2[e]) * weight[start:, None][:n]
+        start += n
+    meta = kernels.moe_call_buffers(R, D, Fd, [0, 2], [5, counts[2]], weight)[0]
+    assert meta.shape[1] == 4 and meta[2].max() <= kernels.MAX_ROWS and meta[2].sum() == R
+    assert kernels.moe_usable(x, [5, counts[2]], w13, w2)
+    got = kernels.moe_experts(x, [0, 2], [5, counts[2]], w13, w2, weight, avx512)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        experts_sorted(x, weight, counts, w13, w2), want, rtol=1e-4, atol=1e-3
+    )
 
 
 @pytest.mark.parametrize("n_group,topk_group,norm", [(8, 4, True), (1, 1, False), (4, 4, True)])
@@ -93,19 +134,21 @@ def test_rms_norm_kernel_matches_reference():
     assert kernels.rms_norm(too_many, torch.ones(8), 1e-6) is None
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 64])
-def test_head_gemm_matches_bmm(M):
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("M,K", [(1, 40), (3, 40), (8, 40), (13, 40), (64, 40), (13, 128)])
+def test_head_gemm_matches_bmm(M, K, avx512):
     """Per-head GEMMs as MLA's absorbed decode calls them: head-major views of batch-major
     tensors in, a batch-major output written through a transposed view."""
     g = torch.Generator().manual_seed(M)
-    H, N, K = 5, 33, 40
+    H, N = 5, 33
     x_MHK = torch.randn(M, H, K + 3, generator=g)[:, :, 3:]  # row stride != K
     w_HNK = torch.randn(H, N, K, generator=g)
     x_HMK = x_MHK.transpose(0, 1)
     want = torch.bmm(x_HMK, w_HNK.transpose(1, 2))
-    torch.testing.assert_close(kernels.head_gemm_nt(x_HMK, w_HNK), want, rtol=1e-5, atol=1e-4)
+    got = kernels.head_gemm_nt(x_HMK, w_HNK, avx512=avx512)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     out_MHN = torch.full((M, H, N), 7.0)
-    assert kernels.head_gemm_nt(x_HMK, w_HNK, out_MHN.transpose(0, 1)) is not None
+    assert kernels.head_gemm_nt(x_HMK, w_HNK, out_MHN.transpose(0, 1), avx512) is not None
     torch.testing.assert_close(out_MHN.transpose(0, 1), want, rtol=1e-5, atol=1e-4)
     assert kernels.head_gemm_nt(x_HMK.double(), w_HNK.double()) is None
 
