@@ -1,0 +1,258 @@
+"""The planner against the engine: decode-step and prefill-step time of the benchmark model on
+this machine for EP 1, 2, 4 and TP 2, measured and predicted with the calibrated profile.
+
+Measured: the engine (``LLM``, fp32, ranks spawned as in ``moeserve generate --ep N``), the
+median time of ``engine.step()`` over steady decode steps with ``batch`` sequences on every
+DP replica (the balanced DP-attention regime the planner models; a replica left idle would
+give the busy one the whole machine), best of 2 runs, and the best of 3 prefill steps in which every
+DP replica prefills one fresh ``prefill`` -token prompt. Predicted: ``planner.simulator`` for
+the same layout, batch and context, with ``--hardware`` (default: the calibrated
+``this-machine``).
+Prints a table with the error of each case and writes JSON.
+
+    python benchmarks/planner_validation.py [--layouts ep1,ep2,ep4,tp2] [--batches 1,16]
+        [--prefill 512] [--hardware this-machine] [--out bench_out/planner_validation.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import BENCH_CONFIG, bench_model_path  # noqa: E402
+
+from moeserve import LLM, SamplingParams  # noqa: E402
+from moeserve.planner.cost_model import Rank  # noqa: E402
+from moeserve.planner.hardware import load_profile  # noqa: E402
+from moeserve.planner.layout import Layout  # noqa: E402
+from moeserve.planner.model_spec import spec_from_config  # noqa: E402
+from moeserve.planner.simulator import decode_step, prefill_step  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_LEN = 32
+LAYOUTS = {
+    "ep1": (dict(), Layout()),
+    "ep2": (
+        dict(data_parallel_size=2, enable_expert_parallel=True),
+        Layout(dp=2, expert_parallel=True),
+    ),
+    "ep4": (
+        dict(data_parallel_size=4, enable_expert_parallel=True),
+        Layout(dp=4, expert_parallel=True),
+    ),
+    "tp2": (dict(tensor_parallel_size=2), Layout(tp=2)),
+}
+
+
+def _prompt(g: torch.Generator, n: int) -> list[int]:
+    return torch.randint(2, BENCH_CONFIG["vocab_size"], (n,), generator=g).tolist()
+
+
+def measure_decode(llm: LLM, batch: int, steps: int, seed: int, runs: int = 2) -> float:
+    """Median seconds of one decode step with ``batch`` sequences decoding; the best of
+    ``runs`` runs (the machine is shared: another tenant slows a whole run)."""
+    return min(_decode_once(llm, batch, steps, seed + 1000 * r) for r in range(runs))
+
+
+def _decode_once(llm: LLM, batch: int, steps: int, seed: int) -> float:
+    engine = llm.engine
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    for b in range(batch):
+        engine.add_request(f"d{seed}-{b}", _prompt(g, PROMPT_LEN), params)
+    seen: set[str] = set()
+    while len(seen) < batch:
+        for out in engine.step():
+            seen.add(out.request_id)
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[:-1])
+
+
+def measure_prefill(llm: LLM, prompts: int, n: int, seed: int, repeats: int = 3) -> float:
+    """Best of ``repeats`` steps in which each of ``prompts`` requests prefills ``n`` fresh
+    tokens."""
+    engine = llm.engine
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    times = []
+    for r in range(repeats):
+        for p in range(prompts):
+            engine.add_request(f"p{seed}-{r}-{p}", _prompt(g, n), params)
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return min(times)
+
+
+def predict(profile, lay: Layout, kind: str, batch: int, ctx: float, n: int) -> dict:
+    spec = spec_from_config({**BENCH_CONFIG, "model_type": "deepseek_v3"}, "bench-model")
+    rank = Rank.of(profile, lay)
+    if kind == "decode":
+        step = decode_step(rank, spec, batch, ctx)
+    else:
+        step = prefill_step(rank, spec, 1, n)
+    return {"seconds": step.time_s, "breakdown_ms": {k: v * 1e3 for k, v in step.breakdown.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", default="ep1,ep2,ep4,tp2")
+    ap.add_argument("--batches", default="1,8", help="decode sequences per DP replica")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--hardware", default="this-machine")
+    ap.add_argument("--out", default=str(ROOT / "bench_out" / "planner_validation.json"))
+    ap.add_argument(
+        "--repredict",
+        metavar="JSON",
+        nargs="+",
+        default=None,
+        help="no engine: predict again the measured cases of earlier runs, each case's best "
+        "(fastest) measurement over the runs; writes --out",
+    )
+    args = ap.parse_args()
+    if args.repredict:
+        rows = repredict(args.repredict, args.hardware)
+        print(table(rows))
+        meta = dict(hardware=args.hardware, runs=args.repredict, command=" ".join(sys.argv))
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {args.out}")
+        return
+    batches = [int(b) for b in args.batches.split(",")]
+    profile = load_profile(args.hardware)
+    model = str(bench_model_path())
+    rows = []
+    for name in args.layouts.split(","):
+        engine_kw, lay = LAYOUTS[name]
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            progress=False,
+            max_num_seqs=max(batches) * lay.dp,
+            max_model_len=args.prefill + 64,
+            max_num_batched_tokens=max(2048, args.prefill),
+            enable_prefix_caching=False,
+            **({"num_threads": os.cpu_count()} if lay.world == 1 else {}),
+            **engine_kw,
+        )
+        try:
+            measure_decode(llm, lay.dp, 4, seed=99)  # warm-up
+            for b in batches:
+                t = measure_decode(llm, b * lay.dp, args.steps, seed=b)
+                ctx = PROMPT_LEN + args.steps / 2
+                pred = predict(profile, lay, "decode", b, ctx, 0)
+                rows.append(
+                    dict(
+                        layout=name,
+                        phase="decode",
+                        batch=b,
+                        ctx=ctx,
+                        measured_s=t,
+                        predicted_s=pred["seconds"],
+                        breakdown_ms=pred["breakdown_ms"],
+                    )
+                )
+                print(_line(rows[-1]), flush=True)
+            measure_prefill(llm, lay.dp, 64, seed=7, repeats=1)  # warm-up
+            t = measure_prefill(llm, lay.dp, args.prefill, seed=11)
+            pred = predict(profile, lay, "prefill", lay.dp, 0, args.prefill)
+            rows.append(
+                dict(
+                    layout=name,
+                    phase="prefill",
+                    batch=lay.dp,
+                    ctx=args.prefill,
+                    measured_s=t,
+                    predicted_s=pred["seconds"],
+                    breakdown_ms=pred["breakdown_ms"],
+                )
+            )
+            print(_line(rows[-1]), flush=True)
+        finally:
+            llm.shutdown()
+    print()
+    print(table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(
+        torch=torch.__version__,
+        machine=platform.machine(),
+        cpus=os.cpu_count(),
+        hardware=args.hardware,
+        command=" ".join(sys.argv),
+        date=time.strftime("%Y-%m-%d"),
+    )
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+def repredict(paths: list[str], hardware: str) -> list[dict]:
+    """The cases of earlier runs (each case's fastest measurement over them: a run that
+    another tenant of the machine slowed loses), predicted again with today's cost model and
+    profile."""
+    profile = load_profile(hardware)
+    best: dict[tuple, dict] = {}
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["rows"]:
+            key = (r["layout"], r["phase"], r["batch"], r["ctx"])
+            r = dict(
+                r, measured_runs=best.get(key, {}).get("measured_runs", []) + [r["measured_s"]]
+            )
+            if key not in best or r["measured_s"] < best[key]["measured_s"]:
+                best[key] = r
+            else:
+                best[key]["measured_runs"] = r["measured_runs"]
+    rows = list(best.values())
+    for r in rows:
+        lay = LAYOUTS[r["layout"]][1]
+        if r["phase"] == "decode":
+            pred = predict(profile, lay, "decode", r["batch"], r["ctx"], 0)
+        else:
+            pred = predict(profile, lay, "prefill", 1, 0, r["ctx"])
+        r["predicted_s"], r["breakdown_ms"] = pred["seconds"], pred["breakdown_ms"]
+    return rows
+
+
+def _err(r: dict) -> float:
+    return (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+
+
+def _line(r: dict) -> str:
+    return (
+        f"{r['layout']:<5}{r['phase']:<8} batch {r['batch']:>3}: measured "
+        f"{r['measured_s'] * 1e3:8.2f} ms, predicted {r['predicted_s'] * 1e3:8.2f} ms "
+        f"({100 * _err(r):+.0f}%)"
+    )
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| layout | step | sequences per DP replica | measured ms | predicted ms | error |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        what = r["phase"] if r["phase"] == "decode" else f"prefill {r['ctx']} tok/replica"
+        lines.append(
+            f"| {r['layout']} | {what} | {r['batch']} | {r['measured_s'] * 1e3:.2f} | "
+            f"{r['predicted_s'] * 1e3:.2f} | {100 * _err(r):+.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
