@@ -23,7 +23,11 @@ with the held-out placement): tokens are split evenly over the ranks (DP attenti
 per-step imbalance is averaged over steps and layers. 68 slots do not divide over 8 ranks,
 so EP8 has no 4-redundant case.
 
-    python benchmarks/eplb.py [--sources zipf,bench,bench-hot] [--prompts 64]
+``step`` (a source) measures, not simulates: one MoE layer at EP4 on gloo ranks of this
+machine, its step time before and after a live re-placement on a skewed load
+(``benchmarks/eplb_step.py``: ``--step-tokens``, ``--step-iters``, ``--step-redundant``).
+
+    python benchmarks/eplb.py [--sources zipf,bench,bench-hot,step] [--prompts 64]
                               [--out bench_out/eplb.json] [--heatmap docs/img/eplb-load.png]
 """
 
@@ -261,7 +265,12 @@ def heatmap(path: Path, loads: dict[str, torch.Tensor]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sources", default="zipf,bench,bench-hot")
+    ap.add_argument("--sources", default="zipf,bench,bench-hot,step")
+    ap.add_argument("--step-ep", type=int, default=4)
+    ap.add_argument("--step-tokens", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--step-iters", type=int, default=10)
+    ap.add_argument("--step-redundant", type=int, default=4)
+    ap.add_argument("--step-hot-bias", type=float, default=1.0)
     ap.add_argument("--zipf-s", type=float, default=1.0)
     ap.add_argument("--tokens", type=int, default=8192, help="zipf: tokens in each half")
     ap.add_argument("--prompts", type=int, default=64, help="model: prompts (two halves)")
@@ -303,9 +312,23 @@ def main() -> None:
 
     print()
     print_table(rows)
+    step_rows = []
+    if "step" in sources:
+        import eplb_step
+
+        step_rows = eplb_step.measure(
+            args.step_ep,
+            args.step_tokens,
+            args.step_iters,
+            args.step_redundant,
+            args.step_hot_bias,
+        )
+        print()
+        eplb_step.print_rows(step_rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = dict(rows=rows, sources=notes, experts=E, groups=GROUPS, moe_layers=MOE_LAYERS)
+    record.update(step_time=step_rows, command=" ".join(sys.argv))
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
     if args.heatmap and loads:

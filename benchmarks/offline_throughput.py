@@ -8,6 +8,7 @@ measured here) and the fraction of it reached. Prints a table, writes JSON and a
 tokens/s against batch size with the rooflines drawn in.
 
     python benchmarks/offline_throughput.py [--formats fp32,int8] [--threads 2] [--profile DIR]
+    python benchmarks/offline_throughput.py --model DIR --speculative-num-tokens K  # MTP
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from roofline import MachineProbe, decode_bytes_per_step, prefill_flops  # noqa:
 from moeserve import LLM, SamplingParams  # noqa: E402
 
 PROMPT_LEN = 32
+PROMPT_SEED_OFFSET = 0  # --prompt-seed-offset: batch b decodes the prompts of seed b + offset
 _ids = itertools.count()
 
 
@@ -40,7 +42,7 @@ def time_moeserve_decode(llm: LLM, batch: int, new_tokens: int, vocab: int, repe
 
 def _moeserve_decode_once(llm: LLM, batch: int, new_tokens: int, vocab: int) -> float:
     engine = llm.engine
-    g = torch.Generator().manual_seed(batch)
+    g = torch.Generator().manual_seed(batch + PROMPT_SEED_OFFSET)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for b in range(batch):
         ids = torch.randint(2, vocab, (PROMPT_LEN,), generator=g).tolist()
@@ -195,6 +197,56 @@ def plot(path: Path, args, results: dict, roofs: dict) -> None:
     print(f"wrote {path}")
 
 
+def run_speculative(args, model_dir: str, vocab: int) -> None:
+    """``--speculative-num-tokens K``: decode tokens/s at each batch with MTP off and with K
+    drafts per step (greedy, the same prompts), the mean accept length and the speedup."""
+    rows = []
+    for k in (0, args.speculative_num_tokens):
+        llm = LLM(
+            model=model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            max_num_seqs=max(args.batches),
+            max_model_len=PROMPT_LEN + args.new_tokens + 8,
+            progress=False,
+            speculative_num_tokens=k,
+        )
+        for b in args.batches:
+            st0 = llm.engine.stats()
+            tps = time_moeserve_decode(llm, b, args.new_tokens, vocab, args.repeats)
+            st1 = llm.engine.stats()
+            d = {
+                key: st1[f"spec_decode_num_{key}"] - st0[f"spec_decode_num_{key}"]
+                for key in ("draft_tokens", "accepted_tokens", "verify_steps")
+            }
+            accept = 1 + d["accepted_tokens"] / d["verify_steps"] if d["verify_steps"] else None
+            rows.append(dict(k=k, batch=b, tokens_per_s=tps, accept_length=accept, **d))
+        del llm
+        gc.collect()
+    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["k"] == 0}
+    print(f"\nMTP speculative decoding, k={args.speculative_num_tokens}, {args.threads} threads")
+    print(f"{'batch':>6}{'off tok/s':>12}{'on tok/s':>12}{'speedup':>10}{'accept len':>12}")
+    for r in rows:
+        if r["k"]:
+            r["speedup"] = r["tokens_per_s"] / base[r["batch"]]
+            acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
+            print(
+                f"{r['batch']:>6}{base[r['batch']]:>12.1f}{r['tokens_per_s']:>12.1f}"
+                f"{r['speedup']:>9.2f}x{acc:>12}"
+            )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = dict(
+        threads=args.threads,
+        new_tokens=args.new_tokens,
+        prompt_seed_offset=args.prompt_seed_offset,
+        model=model_dir,
+        rows=rows,
+    )
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -214,15 +266,38 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="moeserve only")
     ap.add_argument("--profile", metavar="DIR", help="also trace one decode and one prefill")
     ap.add_argument("--profile-batch", type=int, default=1)
+    ap.add_argument(
+        "--speculative-num-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="only compare decode with MTP off and with K drafts per step (needs a model with "
+        "an MTP layer: benchmarks/fit_mtp.py); batches default to 1,8,32",
+    )
+    ap.add_argument(
+        "--prompt-seed-offset",
+        type=int,
+        default=0,
+        help="decode other random prompts (e.g. ones an MTP layer was not fitted on)",
+    )
     ap.add_argument("--out", default="bench_out/offline_throughput.json")
     ap.add_argument("--plot", default="bench_out/offline_throughput.png")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prefill = [int(n) for n in args.prefill.split(",")]
+    global PROMPT_SEED_OFFSET
+    PROMPT_SEED_OFFSET = args.prompt_seed_offset
     formats = args.formats.split(",")
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(bench_model_path())
     vocab = BENCH_CONFIG["vocab_size"]
+    if args.speculative_num_tokens:
+        if "--batches" not in sys.argv:
+            args.batches = [1, 8, 32]
+        if "--out" not in sys.argv:
+            suffix = f"_seed{args.prompt_seed_offset}" if args.prompt_seed_offset else ""
+            args.out = f"bench_out/offline_mtp_k{args.speculative_num_tokens}{suffix}.json"
+        return run_speculative(args, model_dir, vocab)
 
     probe = MachineProbe(args.device)
     results: dict[str, dict[str, float]] = {}

@@ -30,6 +30,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--no-mtp", action="store_true", help="do not load the MTP layers")
+    p.add_argument(
+        "--speculative-num-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: draft K tokens per step with the MTP layer (0: off)",
+    )
     p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads per rank")
     par = p.add_argument_group("parallelism (vLLM's meanings; ranks are spawned here)")
     par.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp")
@@ -43,7 +50,45 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     par.add_argument(
         "--ep", type=int, default=None, help="shorthand for --dp N --enable-expert-parallel"
     )
-    par.add_argument("--num-redundant-experts", type=int, default=0)
+    par.add_argument(
+        "--ep-num-redundant-experts",
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        dest="num_redundant_experts",
+        help="extra physical expert slots (E + R over the EP ranks) for copies of hot experts",
+    )
+    eplb = p.add_argument_group("expert-parallel load balancing (EPLB)")
+    eplb.add_argument(
+        "--enable-eplb",
+        action="store_true",
+        help="re-place the experts from measured load every --eplb-interval steps, live",
+    )
+    eplb.add_argument("--eplb-interval", type=int, default=1000, metavar="STEPS")
+    eplb.add_argument(
+        "--eplb-window", type=int, default=1000, metavar="STEPS", help="steps of statistics"
+    )
+    eplb.add_argument(
+        "--eplb-algorithm", choices=("auto", "hierarchical", "global"), default="auto"
+    )
+    eplb.add_argument(
+        "--eplb-layers-per-step",
+        type=int,
+        default=1,
+        help="MoE layers whose weights move per engine step during a re-placement",
+    )
+    eplb.add_argument(
+        "--expert-stats-out",
+        metavar="FILE",
+        default=None,
+        help="write the expert-load window here at shutdown (.json or .safetensors)",
+    )
+    eplb.add_argument(
+        "--init-expert-location",
+        metavar="FILE",
+        default=None,
+        help="initial placement: a placement file, or raw stats to place from",
+    )
     par.add_argument(
         "--no-moe-overlap",
         action="store_true",
@@ -78,12 +123,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         load_mtp=not args.no_mtp,
+        speculative_num_tokens=args.speculative_num_tokens,
         num_threads=args.threads,
         tensor_parallel_size=args.tp,
         data_parallel_size=dp or 1,
         pipeline_parallel_size=args.pp,
         enable_expert_parallel=ep_on,
         num_redundant_experts=args.num_redundant_experts,
+        enable_eplb=args.enable_eplb,
+        eplb_interval=args.eplb_interval,
+        eplb_window=args.eplb_window,
+        eplb_algorithm=args.eplb_algorithm,
+        eplb_layers_per_step=args.eplb_layers_per_step,
+        expert_stats_out=args.expert_stats_out,
+        init_expert_location=args.init_expert_location,
         moe_overlap=not args.no_moe_overlap,
         two_batch_overlap=args.two_batch_overlap,
         numa_bind=args.numa_bind,
@@ -223,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running requests may take to finish after SIGTERM",
     )
     s.add_argument(
-        "--enable-debug-endpoints", action="store_true", help="GET /debug/engine (stats, KV check)"
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="GET /debug/engine (stats, KV check) and the EPLB admin calls (/admin/eplb/...)",
     )
     s.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
@@ -234,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     from moeserve.bench.serving import add_serving_parser
 
     add_serving_parser(b.add_subparsers(dest="bench_command", required=True))
+
+    from moeserve.planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
 
     d = sub.add_parser("demo-model", help="write the built-in demo model as a HF directory")
     d.add_argument("path")

@@ -76,6 +76,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
     load_mtp: bool = True
+    # speculative decoding with the checkpoint's MTP layer: draft tokens per step; 0: off
+    speculative_num_tokens: int = 0
     quantization: str | None = None  # None | "none" | "int8": weight-only, applied at load
     num_threads: int | None = None
     seed: int = 0
@@ -85,7 +87,15 @@ class EngineConfig:
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    num_redundant_experts: int = 0
+    num_redundant_experts: int = 0  # --ep-num-redundant-experts: E + R physical slots
+    # expert-parallel load balancing (moeserve/eplb/balancer.py)
+    enable_eplb: bool = False  # re-place the experts every eplb_interval steps
+    eplb_interval: int = 1000
+    eplb_window: int = 1000  # steps of expert-load statistics
+    eplb_algorithm: str = "auto"  # auto | hierarchical | global
+    eplb_layers_per_step: int = 1
+    expert_stats_out: str | None = None  # dump the window here at shutdown
+    init_expert_location: str | None = None  # placement or raw stats file
     moe_overlap: bool = True  # shared experts run while the expert dispatch is in flight
     two_batch_overlap: bool = False
     numa_bind: str = "auto"  # auto | none: one rank per NUMA node, threads pinned
@@ -104,11 +114,25 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.speculative_num_tokens < 0:
+            raise ValueError(
+                f"speculative_num_tokens must be >= 0, got {self.speculative_num_tokens}"
+            )
+        if self.speculative_num_tokens and not self.load_mtp:
+            raise ValueError("speculative_num_tokens drafts with the MTP layer: drop --no-mtp")
+        if self.speculative_num_tokens and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding does not support pipeline parallelism yet")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         resolve_dtype(self.dtype, torch.device("cpu"))  # validates the name
         object.__setattr__(self, "quantization", normalize_quantization(self.quantization))
         _ = self.parallel_dims  # validates the layout
+        _ = self.eplb_options  # validates the EPLB settings
+        if (self.enable_eplb or self.num_redundant_experts) and not self.enable_expert_parallel:
+            raise ValueError(
+                "enable_eplb and redundant experts need expert parallelism "
+                "(enable_expert_parallel / --ep N)"
+            )
         if self.numa_bind not in ("auto", "none"):
             raise ValueError(f"numa_bind must be auto or none, got {self.numa_bind!r}")
         if self.dist_timeout_s <= 0:
@@ -133,7 +157,23 @@ class EngineConfig:
     def moe_options(self):
         from moeserve.layers.moe_block import MoEOptions
 
-        return MoEOptions(self.moe_overlap, self.two_batch_overlap, self.num_redundant_experts)
+        return MoEOptions(
+            self.moe_overlap, self.two_batch_overlap, self.num_redundant_experts, self.nnodes
+        )
+
+    @property
+    def eplb_options(self):
+        from moeserve.eplb.balancer import EplbOptions
+
+        return EplbOptions(
+            enable=self.enable_eplb,
+            interval_steps=self.eplb_interval,
+            window_steps=self.eplb_window,
+            algorithm=self.eplb_algorithm,
+            layers_per_step=self.eplb_layers_per_step,
+            stats_out=self.expert_stats_out,
+            init_location=self.init_expert_location,
+        )
 
     @property
     def torch_device(self) -> torch.device:

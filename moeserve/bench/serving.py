@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from moeserve.bench import spec_decode
 from moeserve.bench.client import send_request
 from moeserve.bench.datasets import (
     BenchRequest,
@@ -254,8 +255,14 @@ async def run_benchmark(config: ServingBenchConfig) -> BenchmarkResult:
                     f"the warm-up request to {config.api_url} failed: {rec.error}; check the "
                     "benchmark arguments and the server"
                 )
+        spec_before = await spec_decode.scrape_counters(client, config.root)
         records, duration = await _timed_run(client, config, model, reqs)
+        spec = spec_decode.summarize(
+            spec_before, await spec_decode.scrape_counters(client, config.root)
+        )
     meta = {**config.to_dict(), "model_id": model, "backend": "openai", "date": _now()}
+    if spec is not None:
+        meta["spec_decode"] = spec
     return compute_metrics(records, duration, config.goodput, meta)
 
 

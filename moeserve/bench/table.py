@@ -58,5 +58,15 @@ def format_table(result: BenchmarkResult) -> str:
     for attr, title, short in SECTIONS:
         lines.append(f"{title:-^{WIDTH}}")
         lines += _latency_rows(short, getattr(result, attr))
+    spec = result.config.get("spec_decode")
+    if spec:  # scraped from the server's /metrics (bench/spec_decode.py)
+        lines.append(f"{'Speculative Decoding':-^{WIDTH}}")
+        lines += [
+            _row("Acceptance rate (%):", 100.0 * spec["acceptance_rate"]),
+            _row("Acceptance length:", spec["acceptance_length"]),
+            _row("Drafts:", spec["num_drafts"]),
+            _row("Draft tokens:", spec["num_draft_tokens"]),
+            _row("Accepted tokens:", spec["num_accepted_tokens"]),
+        ]
     lines.append("=" * WIDTH)
     return "\n".join(lines)

@@ -32,10 +32,12 @@ from moeserve.distributed.objects import all_gather_json, broadcast_json
 from moeserve.engine import codec
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.scheduler import QueueFullError
+from moeserve.eplb.balancer import run_command
 
 logger = logging.getLogger(__name__)
 
 STEP, STOP, INFO, STATS, PING = "step", "stop", "info", "stats", "ping"
+EPLB = "eplb"  # {cmd: eplb, action: rebalance | dump | status, path}: every rank, at once
 
 
 def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[RequestOutput]:
@@ -92,6 +94,10 @@ def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
             continue
         if msg["cmd"] == PING:
             continue
+        if msg["cmd"] == EPLB:
+            answer = run_command(engine.eplb, msg["action"], msg.get("path"), groups.world)
+            all_gather_json(answer, groups.world)
+            continue
         exchange_outputs(groups, run_step(engine, groups, msg))
 
 
@@ -112,11 +118,31 @@ def merge_stats(per_rank: list[dict], dims) -> dict:
     summed += ("num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits")
     out = {k: sum(st[k] for st in leaders) for k in summed}
     out["kv_cache_usage"] = 1.0 - out["num_free_blocks"] / max(1, out["num_blocks"])
+    for k in ("num_draft_tokens", "num_accepted_tokens", "num_verify_steps"):
+        out[f"spec_decode_{k}"] = sum(st.get(f"spec_decode_{k}", 0) for st in leaders)
     out["expert_counts"] = dict(sorted(experts.items()))
+    out["eplb"] = merge_eplb([st.get("eplb") for st in per_rank])
     out["integrity"] = failures[0] if failures else "ok"
     out["replicas"] = [
         {k: st[k] for k in ("num_running", "num_waiting", "kv_cache_usage")} for st in leaders
     ]
+    return out
+
+
+def merge_eplb(per_rank: list[dict | None]) -> dict | None:
+    """The ranks' EPLB metrics as one: windows summed (each rank's are its own tokens), slot
+    tables and last imbalances from any rank of the layer's stage (they agree)."""
+    parts = [p for p in per_rank if p]
+    if not parts:
+        return None
+    out = {**parts[0], "window": {}, "placement": {}, "last_rebalance": {}}
+    for p in parts:
+        for layer, counts in p["window"].items():
+            acc = out["window"].setdefault(layer, [0] * len(counts))
+            out["window"][layer] = [a + c for a, c in zip(acc, counts)]
+        out["placement"].update(p["placement"])
+        out["last_rebalance"].update(p["last_rebalance"])
+        out["rebalances"] = max(out["rebalances"], p["rebalances"])
     return out
 
 
@@ -241,6 +267,23 @@ class EngineGroup:
 
         return merge_stats(self._collective(gather), self.groups.dims)
 
+    def eplb_command(self, action: str, path: str | None = None) -> dict:
+        """An EPLB command on every rank (``ExpertBalancer.command``): ``rebalance`` now,
+        ``dump`` the statistics (to ``path`` or ``expert_stats_out``), or ``status``.
+        Returns rank 0's answer; raises ValueError with the first rank's error."""
+        msg = {"cmd": EPLB, "action": action, "path": path}
+
+        def gather() -> list[dict]:
+            broadcast_json(msg, self.groups.world, 0)
+            answer = run_command(self.engine.eplb, action, path, self.groups.world)
+            return all_gather_json(answer, self.groups.world)
+
+        answers = self._collective(gather)
+        errors = [a["error"] for a in answers if "error" in a]
+        if errors:
+            raise ValueError(errors[0])
+        return next((a["result"] for a in answers if a["result"] is not None), {})
+
     def keepalive(self) -> None:
         """Wake the workers without a step (their wait for rank 0's next message is a
         collective with the group's timeout). A background thread calls this whenever the
@@ -295,6 +338,13 @@ class EngineGroup:
         """Tell every worker to stop and wait for the spawned ones; idempotent."""
         with self._lock:
             if self.closed:
+                return
+            if self.config.expert_stats_out:
+                try:
+                    self.eplb_command("dump")
+                except (ValueError, RuntimeError) as e:
+                    logger.error("could not write the expert statistics: %s", e)
+            if self.closed:  # the dump failed the group
                 return
             try:
                 broadcast_json({"cmd": STOP}, self.groups.world, 0)

@@ -96,6 +96,9 @@ def step_output_to_json(o) -> Json:
         "logprobs": logprobs_to_json(o.logprobs),
         "prompt_logprobs": _logprob_list(o.prompt_logprobs, logprobs_to_json),
         "first_position": o.first_position,
+        "more_token_ids": list(o.more_token_ids),
+        "more_logprobs": [logprobs_to_json(e) for e in o.more_logprobs],
+        "draft_token_ids": list(o.draft_token_ids),
     }
 
 
@@ -107,4 +110,7 @@ def step_output_from_json(d: Json):
         logprobs=logprobs_from_json(d["logprobs"]),
         prompt_logprobs=_logprob_list(d["prompt_logprobs"], logprobs_from_json),
         first_position=d["first_position"],
+        more_token_ids=tuple(d.get("more_token_ids", ())),
+        more_logprobs=tuple(logprobs_from_json(e) for e in d.get("more_logprobs", ())),
+        draft_token_ids=tuple(d.get("draft_token_ids", ())),
     )

@@ -8,6 +8,7 @@ step():  batch = scheduler.schedule()
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -18,9 +19,11 @@ import torch
 from moeserve.config import EngineConfig
 from moeserve.core import FinishReason, PromptType, RequestOutput, SamplingParams, Sequence
 from moeserve.distributed.groups import ParallelGroups
-from moeserve.engine.model_runner import ModelRunner, SeqStepOutput
+from moeserve.engine.model_runner import SeqStepOutput
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
+from moeserve.engine.spec_setup import check_mtp_checkpoint, make_runner
+from moeserve.eplb.balancer import ExpertBalancer
 from moeserve.kvcache.pool import KVCachePool
 from moeserve.models.loader import load_model
 from moeserve.ops.cpu.allocator import keep_freed_memory
@@ -59,7 +62,9 @@ class LLMEngine:
             self.dtype,
             self.device,
             max_positions=None,
-            load_mtp=config.load_mtp,
+            # a parallel layout loads the (unsharded) MTP layer only to draft with it
+            load_mtp=config.load_mtp
+            and (groups.dims.world_size == 1 or config.speculative_num_tokens > 0),
             progress=config.progress and groups.rank == 0,
             groups=groups,
             moe_options=config.moe_options,
@@ -92,6 +97,11 @@ class LLMEngine:
         )
 
         spec = self.model.kv_cache_spec()
+        num_spec = config.speculative_num_tokens
+        if num_spec:
+            check_mtp_checkpoint(config.model, mc)
+            # one more cache layer, for the MTP layer (on every rank: the pools must agree)
+            spec = dataclasses.replace(spec, num_layers=spec.num_layers + 1)
         bs = config.block_size
         if config.kv_cache_memory_gb is not None:
             num_blocks = KVCachePool.blocks_for_budget(spec, bs, config.kv_cache_memory_gb * _GIB)
@@ -115,9 +125,14 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_waiting=config.max_waiting_requests,
+                num_spec_tokens=num_spec,
             )
         )
-        self.runner = ModelRunner(self.model, self.kv_pool.caches, bs, self.device, groups)
+        self.runner = make_runner(
+            self.model, self.kv_pool.caches, bs, self.device, groups, num_spec
+        )
+        # expert-load statistics and placement (EPLB); None without MoE layers on this rank
+        self.eplb = ExpertBalancer.create(self.model, groups, config.eplb_options)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, %d KV blocks (%.2f GiB), max_model_len %d",
@@ -205,6 +220,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.outputs.has_pending
 
+    def shutdown(self) -> None:
+        """A one-process engine writes its expert statistics (``expert_stats_out``)."""
+        if self.eplb is not None and self.config.expert_stats_out:
+            self.eplb.dump()
+
     def stats(self) -> dict:
         """This replica's queues, KV cache and prefix-cache counters, the tokens routed to each
         expert of the MoE layers this rank reports (see :meth:`MoEBlock.reports_counts`), and
@@ -226,12 +246,18 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "expert_counts": self.model.expert_counts(),
+            "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
+            "spec_decode_num_verify_steps": self.scheduler.num_verify_steps,
+            "eplb": self.eplb.metrics() if self.eplb is not None else None,
             "integrity": integrity,
         }
 
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.eplb is not None:
+            self.eplb.on_step()  # count expert load; move experts during a re-placement
         batch = self.scheduler.schedule()
         if batch is None:
             if self.run_empty_when_idle:
@@ -239,5 +265,8 @@ class LLMEngine:
             return self.outputs.process([])  # samples finished between steps
         results: list[SeqStepOutput] = self.runner.run(batch)
         self.outputs.record_prompt_logprobs(batch, results)
-        updated = self.scheduler.update(batch, [(r.token_id, r.logprobs) for r in results])
+        spec = None
+        if self.config.speculative_num_tokens:
+            spec = [(r.more_token_ids, r.more_logprobs, r.draft_token_ids) for r in results]
+        updated = self.scheduler.update(batch, [(r.token_id, r.logprobs) for r in results], spec)
         return self.outputs.process(updated)

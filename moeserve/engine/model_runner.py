@@ -14,6 +14,7 @@ when its MoE layers exchange tokens with other replicas (``run_empty``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ from moeserve.engine import codec
 from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.sampler import Sampler, compute_prompt_logprobs
 from moeserve.models.base import MoECausalLM
+from moeserve.spec.batch import attention_rows
+from moeserve.spec.mtp import MTPProposer, MTPRows
+from moeserve.spec.verify import verify
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,11 @@ class SeqStepOutput:
     # prompt-logprob entries for prompt positions [first_position, first_position + len)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     first_position: int = 0
+    # speculative decoding: tokens accepted after ``token_id`` in the same step, with their
+    # logprobs, and the drafts proposed for the next step
+    more_token_ids: tuple[int, ...] = ()
+    more_logprobs: tuple[PositionLogprobs | None, ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
 
 
 class ModelRunner:
@@ -45,12 +54,20 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str = "cpu",
         groups: ParallelGroups | None = None,
+        num_spec_tokens: int = 0,
+        proposer: MTPProposer | None = None,
     ) -> None:
+        """With ``num_spec_tokens > 0`` every step verifies the batch's drafts and, where
+        ``proposer`` is given (the replica leader), drafts the next ones (:meth:`_run_spec`)."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.groups = groups or ParallelGroups.single()
         self.sampler = Sampler()
+        self.num_spec_tokens = num_spec_tokens
+        self.proposer = proposer
+        # the draft distribution of each random sequence's pending drafts (leader only)
+        self._draft_probs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         model.bind_kv_caches(kv_caches)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -74,6 +91,9 @@ class ModelRunner:
         g = self.groups
         outputs: list[SeqStepOutput] = []
         sends = []
+        if self.num_spec_tokens:
+            outputs = self._run_spec(batch)
+            return self._share(outputs)
         for mb in split_micro_batches(batch, g.dims.pp):
             input_ids_T, positions_T, meta = self.prepare(mb)
             h_TD, send = self._forward_stage(input_ids_T, positions_T, meta)
@@ -82,6 +102,11 @@ class ModelRunner:
                 outputs += self._sample(mb, h_TD)
         for work in sends:
             work.wait()
+        return self._share(outputs)
+
+    def _share(self, outputs: list[SeqStepOutput]) -> list[SeqStepOutput]:
+        """The replica leader's outputs, on every rank of the replica."""
+        g = self.groups
         if g.replica.size > 1:
             lead = g.is_replica_leader
             sent = [codec.step_output_to_json(o) for o in outputs] if lead else None
@@ -139,6 +164,111 @@ class ModelRunner:
                     outputs[i], token_id=result.token_ids[k], logprobs=result.logprobs[k]
                 )
         return outputs
+
+    def _run_spec(self, batch: Batch) -> list[SeqStepOutput]:
+        """One step with speculative decoding (one pipeline stage):
+
+        1. the target runs every entry's tokens plus its drafts (a decode with ``n`` drafts is
+           an ``n + 1``-token chunk over its cached context);
+        2. entries that sample verify their drafts (``spec/verify.py``) and emit
+           ``accepted + 1`` tokens;
+        3. the MTP layer covers the positions each entry keeps and drafts up to ``k`` tokens
+           for the next step (``spec/mtp.py``), on the replica leader.
+        Rejected positions need no undo: the scheduler keeps ``num_computed_tokens`` at the
+        accepted length and later steps overwrite those slots.
+        """
+        entries = batch.seqs
+        drafts = getattr(batch, "drafts", None) or tuple(() for _ in entries)
+        # decodes and verifications first, as one decode row per token (the paged decode
+        # path, spec/batch.py: attention_rows), then prefill chunks
+        as_dec = [bool(drafts[i]) or e.num_new_tokens == 1 for i, e in enumerate(entries)]
+        order = sorted(range(len(entries)), key=lambda i: not as_dec[i])
+        ids, positions, starts, nums, tables = [], [], [], [], []
+        first_row = [0] * len(entries)
+        for i in order:
+            e = entries[i]
+            first_row[i] = len(ids)
+            n = e.num_new_tokens + len(drafts[i])
+            ids += e.seq.token_ids_slice(e.start, e.end) + list(drafts[i])
+            positions += range(e.start, e.start + n)
+            rows = attention_rows(e.start, n, e.seq.block_table, as_dec[i])
+            starts += rows[0]
+            nums += rows[1]
+            tables += rows[2]
+        meta = AttentionMetadata.build(starts, nums, tables, self.block_size, self.device)
+        to = dict(dtype=torch.long, device=self.device)
+        h_TD, _ = self._forward_stage(torch.tensor(ids, **to), torch.tensor(positions, **to), meta)
+        if not entries or not self.groups.is_last_stage:
+            return []
+
+        # prompt logprobs read the entries' own rows, in batch order
+        own = [
+            r
+            for i, e in enumerate(entries)
+            for r in range(first_row[i], first_row[i] + e.num_new_tokens)
+        ]
+        outputs = self._prompt_logprobs(batch, h_TD[torch.tensor(own, **to)])
+
+        sampling = [i for i, e in enumerate(entries) if e.sample]
+        checked: dict[int, tuple[int, ...]] = {}  # the drafts each sampling entry verifies
+        probs = []
+        for i in sampling:
+            seq, d = entries[i].seq, drafts[i]
+            q = self._draft_probs.pop(seq, None)
+            if d and not seq.params.greedy and (q is None or q.shape[0] != len(d)):
+                d = ()  # no draft distribution here (not the leader): verify nothing
+            checked[i] = d
+            probs.append(q)
+        rows = [
+            r
+            for i in sampling
+            for r in range(
+                first_row[i] + entries[i].num_new_tokens - 1,
+                first_row[i] + entries[i].num_new_tokens + len(checked[i]),
+            )
+        ]
+        verified = []
+        if sampling:
+            logits = self.model.compute_logits(h_TD[torch.tensor(rows, **to)])
+            verified = verify(
+                logits, [entries[i].seq for i in sampling], [checked[i] for i in sampling], probs
+            )
+        emitted = dict(zip(sampling, verified, strict=True))
+
+        new_drafts: list[tuple[list[int], list]] = [([], []) for _ in entries]
+        if self.proposer is not None:
+            mtp_rows = []
+            for i, e in enumerate(entries):
+                v = emitted.get(i)
+                if v is None:  # a chunk inside the prompt: its next tokens are known
+                    next_ids, history, k = e.seq.token_ids_slice(e.start + 1, e.end + 1), [], 0
+                else:
+                    next_ids = e.seq.token_ids_slice(e.start + 1, e.end) + v.token_ids
+                    history, k = v.token_ids, self._num_drafts(e.seq, len(v.token_ids))
+                mtp_rows.append(MTPRows(e.seq, first_row[i], e.start, next_ids, k, history))
+            new_drafts = self.proposer.propose(h_TD, mtp_rows)
+
+        for i, v in emitted.items():
+            d, q = new_drafts[i]
+            if d and not entries[i].seq.params.greedy:
+                self._draft_probs[entries[i].seq] = torch.stack(q)
+            outputs[i] = dataclasses.replace(
+                outputs[i],
+                token_id=v.token_ids[0],
+                logprobs=v.logprobs[0],
+                more_token_ids=tuple(v.token_ids[1:]),
+                more_logprobs=tuple(v.logprobs[1:]),
+                draft_token_ids=tuple(d),
+            )
+        return outputs
+
+    def _num_drafts(self, seq, num_emitted: int) -> int:
+        """Drafts worth proposing after ``num_emitted`` new tokens: at most k, and fewer than
+        the tokens max_tokens and max_model_len still allow (the last one is never a draft)."""
+        left = seq.max_model_len - (seq.num_tokens + num_emitted)
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - (len(seq.output_token_ids) + num_emitted))
+        return max(0, min(self.num_spec_tokens, left - 1))
 
     def _prompt_logprobs(self, batch: Batch, h_TD: torch.Tensor) -> list[SeqStepOutput]:
         """Entries for the prompt positions each chunk covers, for sequences that asked.

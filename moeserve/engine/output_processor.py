@@ -147,23 +147,34 @@ class OutputProcessor:
         sample.num_tokens_seen = len(seq.output_token_ids)
         if sample.detok is None or not new or sample.stopped:
             return
-        before = len(sample.text)
-        sample.text += sample.detok.step(new)
-        if seq.is_finished and seq.finish_reason is not FinishReason.ABORT:
-            # flush text held back for an incomplete character, as a final decode would
-            sample.text += sample.detok.flush()
         stops = seq.params.stop
-        if stops:
+        # a step of speculative decoding appends several tokens: with stop strings each is
+        # checked on its own, as if it came in its own step
+        pieces = [new] if not stops or len(new) == 1 else [[t] for t in new]
+        for j, piece in enumerate(pieces):
+            last = j == len(pieces) - 1
+            before = len(sample.text)
+            sample.text += sample.detok.step(piece)
+            if last and seq.is_finished and seq.finish_reason is not FinishReason.ABORT:
+                # flush text held back for an incomplete character, as a final decode would
+                sample.text += sample.detok.flush()
+            if not stops:
+                continue
             hit = find_stop(sample.text, before, stops)
-            if hit is not None:
-                index, stop = hit
-                keep = index + len(stop) if seq.params.include_stop_str_in_output else index
-                sample.text = sample.text[:keep]
-                sample.stopped = True
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, FinishReason.STOP, stop)
-                else:  # finished by a token in the same step: the stop string still wins
-                    seq.finish(FinishReason.STOP, stop)
+            if hit is None:
+                continue
+            index, stop = hit
+            keep = index + len(stop) if seq.params.include_stop_str_in_output else index
+            sample.text = sample.text[:keep]
+            sample.stopped = True
+            if not last:  # the tokens after the stop string were never generated
+                _drop_output_tokens(seq, len(pieces) - j - 1)
+                sample.num_tokens_seen = len(seq.output_token_ids)
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP, stop)
+            else:  # finished by a token in the same step: the stop string still wins
+                seq.finish(FinishReason.STOP, stop)
+            return
 
     def _decorate(self, entries: list[PositionLogprobs | None]) -> list[PositionLogprobs | None]:
         if self.tokenizer is None:
@@ -250,3 +261,13 @@ class OutputProcessor:
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
         return metrics
+
+
+def _drop_output_tokens(seq: Sequence, n: int) -> None:
+    """Remove the last ``n`` output tokens of ``seq`` (and their logprobs)."""
+    for _ in range(n):
+        tok = seq.output_token_ids.pop()
+        if len(seq.logprobs) > len(seq.output_token_ids):
+            entry = seq.logprobs.pop()
+            if tok in entry:
+                seq.cumulative_logprob -= entry[tok].logprob

@@ -31,10 +31,14 @@ from moeserve.core import (
     SequenceStatus,
 )
 from moeserve.kvcache.block_manager import BlockManager
+from moeserve.spec.batch import SpecBatch, lookahead_slots
 
 # what the model runner sampled for one entry of a Batch: (token id, its logprobs), both None
 # for an entry that does not sample (a chunk ending inside the prompt)
 SampledToken = tuple[int | None, PositionLogprobs | None]
+# with speculative decoding, per entry: the tokens accepted after the sampled one, their
+# logprobs, and the drafts proposed for the next step
+SpecTokens = tuple[tuple[int, ...], tuple[PositionLogprobs | None, ...], tuple[int, ...]]
 
 
 class QueueFullError(RuntimeError):
@@ -51,10 +55,15 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_waiting: int | None = None  # sequences; None: unbounded
+    num_spec_tokens: int = 0  # draft tokens per decode (speculative decoding); 0: off
 
     def __post_init__(self) -> None:
         checks = [
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (
+                self.num_spec_tokens >= 0,
+                f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}",
+            ),
             (
                 self.max_num_batched_tokens >= 1,
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
@@ -99,6 +108,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # speculative decoding: drafts waiting to be verified, by seq_id, and counters
+        self.drafts: dict[int, tuple[int, ...]] = {}
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_tokens = 0  # of those, accepted
+        self.num_verify_steps = 0  # sequence-steps that verified at least one draft
 
     @property
     def num_waiting(self) -> int:
@@ -135,12 +149,15 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         bm = self.block_manager
         preempted = False
+        drafts: list[tuple[int, ...]] = []  # per scheduled entry, the drafts it verifies
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not bm.can_allocate(seq, n):
+            d = self._drafts_for(seq, n, budget)
+            ahead = self._lookahead(seq, n, len(d))
+            while not bm.can_allocate(seq, n, lookahead=ahead):
                 # the newest running sequence not yet scheduled this step (maybe seq itself)
                 victim = max(self.running[i:], key=lambda s: (s.arrival_time, s.seq_id))
                 self._preempt(victim)
@@ -148,9 +165,10 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                bm.allocate(seq, n)
+                bm.allocate(seq, n, lookahead=ahead)
                 scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-                budget -= n
+                drafts.append(d)
+                budget -= n + len(d)
                 i += 1
 
         while (
@@ -166,24 +184,56 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not bm.can_allocate(seq, n, cached):
+            ahead = self._lookahead(seq, n, 0, len(cached) * self.config.block_size)
+            if not bm.can_allocate(seq, n, cached, ahead):
                 break
             self.waiting.popleft()
-            bm.allocate(seq, n, cached)
+            bm.allocate(seq, n, cached, ahead)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            drafts.append(())
             budget -= n
 
         if not scheduled:
             return None
         # decodes (one new token) first, then multi-token chunks; stable within each group
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
-        return Batch(tuple(scheduled))
+        order = sorted(range(len(scheduled)), key=lambda j: scheduled[j].num_new_tokens != 1)
+        entries = tuple(scheduled[j] for j in order)
+        if not self.config.num_spec_tokens:
+            return Batch(entries)
+        for entry in entries:
+            self.drafts.pop(entry.seq.seq_id, None)  # verified now, or dropped
+        return SpecBatch(entries, tuple(drafts[j] for j in order))
 
-    def update(self, batch: Batch, sampled: list[SampledToken]) -> list[Sequence]:
+    def _drafts_for(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
+        """The drafts a decode verifies this step: none for a chunk, or when the token budget
+        has no room for them."""
+        d = self.drafts.get(seq.seq_id, ())
+        if n != seq.num_tokens - seq.num_computed_tokens or n != 1 or n + len(d) > budget:
+            return ()
+        return d
+
+    def _lookahead(
+        self, seq: Sequence, n: int, num_drafts: int, computed: int | None = None
+    ) -> int:
+        """Slots past the entry's tokens that speculation may write (``spec/batch.py``), only
+        for an entry that samples, never past max_model_len."""
+        k = self.config.num_spec_tokens
+        computed = seq.num_computed_tokens if computed is None else computed
+        if not k or computed + n != seq.num_tokens:
+            return 0
+        room = self.config.max_model_len - (computed + n)
+        return max(0, min(lookahead_slots(num_drafts, k), room))
+
+    def update(
+        self,
+        batch: Batch,
+        sampled: list[SampledToken],
+        spec: list[SpecTokens] | None = None,
+    ) -> list[Sequence]:
         """Apply a step's results: ``sampled[i]`` is ``(token_id, logprobs)`` for
         ``batch.seqs[i]``, both None when that entry does not sample.
 
@@ -192,11 +242,21 @@ class Scheduler:
         max_tokens, max_model_len); finished sequences leave the running queue and free their
         blocks. Returns the sequences that got a token, finished or not. Entries aborted since
         :meth:`schedule` are skipped.
+
+        With speculative decoding, ``spec[i]`` carries the drafts entry ``i`` accepted after its
+        sampled token and the drafts for its next step: the tokens are appended one by one
+        (a stop among them ends the sequence there), ``num_computed_tokens`` advances over the
+        sampled token and the accepted drafts, and the rejected positions are simply past it.
         """
         if len(sampled) != len(batch.seqs):
             raise ValueError(f"got {len(sampled)} results for a batch of {len(batch.seqs)}")
         updated: list[Sequence] = []
-        for entry, (token_id, logprobs) in zip(batch.seqs, sampled, strict=True):
+        if spec is None:
+            spec = [((), (), ())] * len(batch.seqs)
+        verified = getattr(batch, "drafts", None) or [()] * len(batch.seqs)
+        for entry, (token_id, logprobs), (more, more_lp, new_drafts), checked in zip(
+            batch.seqs, sampled, spec, verified, strict=True
+        ):
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -207,15 +267,29 @@ class Scheduler:
                 raise ValueError(
                     f"sequence {seq.seq_id}: sample={samples} but got token {token_id!r}"
                 )
-            seq.num_computed_tokens = entry.end
-            self.block_manager.commit_full_blocks(seq)
             if not samples:
+                seq.num_computed_tokens = entry.end
+                self.block_manager.commit_full_blocks(seq)
                 continue
-            seq.append_token(token_id, logprobs)
-            if not seq.check_token_stop() and seq.num_tokens >= self.config.max_model_len:
-                seq.finish(FinishReason.LENGTH)
+            if checked:
+                self.num_verify_steps += 1
+                self.num_draft_tokens += len(checked)
+                self.num_accepted_tokens += len(more)
+            # the sampled token and the accepted drafts (kept drafts precede the last token)
+            seq.num_computed_tokens = entry.end + len(more)
+            for tok, lp in zip((token_id, *more), (logprobs, *more_lp), strict=True):
+                seq.append_token(tok, lp)
+                if not seq.check_token_stop() and seq.num_tokens >= self.config.max_model_len:
+                    seq.finish(FinishReason.LENGTH)
+                if seq.is_finished:
+                    break
+            # a stop among the accepted tokens: what follows it was never emitted
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            self.block_manager.commit_full_blocks(seq)
             if seq.is_finished:
                 self.block_manager.free(seq)
+            elif new_drafts:
+                self.drafts[seq.seq_id] = tuple(new_drafts)
             updated.append(seq)
         self.running = [s for s in self.running if not s.is_finished]
         return updated
@@ -240,6 +314,7 @@ class Scheduler:
         return seqs
 
     def _remove(self, seq: Sequence) -> None:
+        self.drafts.pop(seq.seq_id, None)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -247,6 +322,7 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.drafts.pop(seq.seq_id, None)  # recomputed from scratch, drafted again
         self.running.remove(seq)
         self.block_manager.free(seq)  # also resets num_computed_tokens to 0
         seq.status = SequenceStatus.WAITING

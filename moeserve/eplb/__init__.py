@@ -6,6 +6,8 @@ and the engine call them.
   :func:`imbalance`, :func:`placement_tables`
 - ``replica``: :class:`ReplicaTable` / :func:`select_replicas` (the physical slot serving
   each routed choice)
+- ``balancer``: :class:`ExpertBalancer` (an engine's statistics, initial placement and live
+  re-placement; imported from ``moeserve.eplb.balancer``, it pulls in the EP layers)
 - ``stats``: :class:`ExpertLoadStats` (sliding-window token counts) and the stats / placement
   files (:func:`save_expert_stats`, :func:`save_placement`, :func:`load_expert_location`)
 """

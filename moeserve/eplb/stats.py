@@ -134,10 +134,14 @@ class ExpertLoadStats:
         """Completed steps the window holds now."""
         return self._closed * self.chunk_steps + self._open_steps
 
+    def local_window(self) -> torch.Tensor:
+        """``[L, E]`` int64: this process's own counts over the window (no communication)."""
+        return self._chunks_CLE.sum(0)
+
     def window(self) -> torch.Tensor:
         """``[L, E]`` int64: tokens per layer and expert over the window, summed over the
         group when there is one (a collective)."""
-        load_LE = self._chunks_CLE.sum(0)
+        load_LE = self.local_window()
         if self.group is not None:
             dist.all_reduce(load_LE, op=dist.ReduceOp.SUM, group=self.group)
         return load_LE

@@ -100,32 +100,43 @@ class BlockManager:
         return hits
 
     def can_allocate(
-        self, seq: Sequence, num_new_tokens: int, cached_blocks: SequenceABC[int] = ()
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_blocks: SequenceABC[int] = (),
+        lookahead: int = 0,
     ) -> bool:
         """Whether :meth:`allocate` would succeed with the same arguments."""
-        needed, existing = self._blocks_needed(seq, num_new_tokens, cached_blocks)
+        needed, existing = self._blocks_needed(seq, num_new_tokens, cached_blocks, lookahead)
         # cached hits nobody uses leave the evictable pool when this sequence takes them
         revived = sum(1 for b in cached_blocks if self._ref[b] == 0)
         return needed - existing <= self.num_free_blocks - revived
 
     def allocate(
-        self, seq: Sequence, num_new_tokens: int, cached_blocks: SequenceABC[int] = ()
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_blocks: SequenceABC[int] = (),
+        lookahead: int = 0,
     ) -> None:
-        """Make ``seq.block_table`` cover ``seq.num_computed_tokens + num_new_tokens`` slots.
+        """Make ``seq.block_table`` cover ``seq.num_computed_tokens + num_new_tokens`` slots,
+        plus ``lookahead`` slots past the known tokens (speculative decoding writes draft
+        positions there; they hold no computed token, so a rejection frees nothing early and
+        later steps overwrite them).
 
         For a sequence without blocks (new, or preempted), ``cached_blocks`` is what
         :meth:`lookup_prefix` returned: their refs are taken and ``seq.num_computed_tokens``
         starts after them (``num_new_tokens`` counts from there). Raises ValueError when the
         pool lacks the blocks; call :meth:`can_allocate` first.
         """
-        if not self.can_allocate(seq, num_new_tokens, cached_blocks):
+        if not self.can_allocate(seq, num_new_tokens, cached_blocks, lookahead):
             raise ValueError(
                 f"cannot allocate {num_new_tokens} tokens for sequence {seq.seq_id}: "
                 f"only {self.num_free_blocks} free blocks; check can_allocate() first"
             )
         if seq.seq_id not in self._seqs:
             self._admit(seq, cached_blocks)
-        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        needed = -(-(seq.num_computed_tokens + num_new_tokens + lookahead) // self.block_size)
         while len(seq.block_table) < needed:
             seq.block_table.append(self._take_free_block())
 
@@ -169,7 +180,11 @@ class BlockManager:
         return self.enable_prefix_caching and not seq.wants_prompt_logprobs
 
     def _blocks_needed(
-        self, seq: Sequence, num_new_tokens: int, cached_blocks: SequenceABC[int]
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_blocks: SequenceABC[int],
+        lookahead: int = 0,
     ) -> tuple[int, int]:
         """(blocks the table must hold, blocks it will hold without allocating)."""
         if seq.seq_id in self._seqs:
@@ -185,7 +200,9 @@ class BlockManager:
                 f"num_new_tokens={num_new_tokens} is out of range: {computed} of "
                 f"{seq.num_tokens} tokens are computed"
             )
-        return -(-(computed + num_new_tokens) // self.block_size), existing
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        return -(-(computed + num_new_tokens + lookahead) // self.block_size), existing
 
     def _admit(self, seq: Sequence, cached_blocks: SequenceABC[int]) -> None:
         for block in cached_blocks:

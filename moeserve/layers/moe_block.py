@@ -36,10 +36,13 @@ class MoEOptions:
     overlap: bool = True  # run the shared experts while the dispatch is in flight
     two_batch: bool = False  # split each batch into two micro-batches around the all-to-alls
     num_redundant_experts: int = 0
+    num_nodes: int = 1  # hosts the world spans (replicas on a token's own node come first)
 
     def __post_init__(self) -> None:
         if self.num_redundant_experts < 0:
             raise ValueError("num_redundant_experts must be >= 0")
+        if self.num_nodes < 1:
+            raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
 
 
 class MoEBlock(nn.Module):
@@ -58,7 +61,7 @@ class MoEBlock(nn.Module):
         self.gate = Router(config)
         if self.ep.size > 1:
             self.placement = ExpertPlacement.contiguous(
-                E, self.ep.size, self.options.num_redundant_experts
+                E, self.ep.size, self.options.num_redundant_experts, self._ep_nodes(groups)
             )
             self.dispatcher = AllToAllDispatcher(self.ep.group)
             slots = self.placement.local_logical(self.ep.rank)
@@ -98,8 +101,31 @@ class MoEBlock(nn.Module):
         self.register_buffer("expert_counts_E", torch.zeros(E, dtype=torch.int64), persistent=False)
         self.reports_counts = self.placement is not None or self.tp.rank == 0
 
+    def _ep_nodes(self, groups: ParallelGroups) -> tuple[int, ...] | None:
+        """The node of each EP rank, when the world spans several (equal) nodes."""
+        world, nodes = groups.dims.world_size, self.options.num_nodes
+        if nodes == 1 or world % nodes:
+            return None
+        return tuple(r // (world // nodes) for r in self.ep.ranks)
+
     def owns_expert(self, e: int) -> bool:
         return e in self.experts.local_experts
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route by ``placement`` from now on; the caller has already put its experts into this
+        rank's slots (``distributed/ep/migrate.py``). Raises ValueError without EP or when the
+        slot count or EP size differs."""
+        old = self.placement
+        if old is None or (placement.num_physical, placement.ep_size) != (
+            old.num_physical,
+            old.ep_size,
+        ):
+            raise ValueError(
+                "set_placement needs expert parallelism and a placement with the same slots "
+                "and EP size as the current one"
+            )
+        self.placement = placement
+        self.experts.slot_experts = placement.local_logical(self.ep.rank)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.placement is None:

@@ -4,6 +4,9 @@ endpoints. :func:`build_app` takes a ready :class:`ServerState`; ``launcher.py``
     GET  /health /version /metrics /v1/models
     POST /v1/completions /v1/chat/completions /tokenize /detokenize
     GET  /debug/engine          (with --enable-debug-endpoints: stats and the KV self-check)
+    GET  /admin/eplb            (with --enable-debug-endpoints: expert-load balancing state)
+    POST /admin/eplb/rebalance  re-place the experts from the load window now
+    POST /admin/eplb/dump       write the load window to --expert-stats-out
 
 With an API key, every path but /health, /version and /metrics needs
 ``Authorization: Bearer KEY``.
@@ -20,8 +23,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import moeserve
 from moeserve.serving.chat import create_chat_completion, render_prompt
+from moeserve.serving.client import EngineDeadError
 from moeserve.serving.completions import create_completion
-from moeserve.serving.errors import APIError, ErrorResponse, install_handlers
+from moeserve.serving.errors import APIError, ErrorResponse, bad_request, install_handlers
 from moeserve.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -41,6 +45,7 @@ from moeserve.serving.state import ServerState, unavailable
 _PUBLIC = {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"}
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 503)}
 STATS_TIMEOUT_S = 5.0
+EPLB_TIMEOUT_S = 300.0  # a re-placement moves every layer's experts before answering
 
 
 async def refresh_engine_stats(state: ServerState) -> dict | None:
@@ -153,5 +158,28 @@ def build_app(state: ServerState) -> FastAPI:
             if stats is None:
                 raise unavailable("the engine did not answer")
             return JSONResponse(stats)
+
+        async def eplb(action: str) -> JSONResponse:
+            try:
+                result = await state.client.call(
+                    "eplb", timeout=EPLB_TIMEOUT_S, args={"action": action}
+                )
+            except (asyncio.TimeoutError, EngineDeadError):
+                raise unavailable("the engine did not answer") from None
+            except RuntimeError as e:  # the engine's answer: what was wrong
+                raise bad_request(str(e)) from None
+            return JSONResponse(result)
+
+        @app.get("/admin/eplb", dependencies=auth, responses=_ERRORS)
+        async def eplb_status() -> JSONResponse:
+            return await eplb("status")
+
+        @app.post("/admin/eplb/rebalance", dependencies=auth, responses=_ERRORS)
+        async def eplb_rebalance() -> JSONResponse:
+            return await eplb("rebalance")
+
+        @app.post("/admin/eplb/dump", dependencies=auth, responses=_ERRORS)
+        async def eplb_dump() -> JSONResponse:
+            return await eplb("dump")
 
     return app

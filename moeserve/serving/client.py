@@ -209,7 +209,7 @@ class EngineClient:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    async def call(self, method: str, timeout: float = 10.0):
+    async def call(self, method: str, timeout: float = 10.0, args: dict | None = None):
         """Ask the engine (between two steps) and return its answer."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
@@ -217,7 +217,7 @@ class EngineClient:
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            self.send(m.Call(call_id, method))
+            self.send(m.Call(call_id, method, args))
             result = await asyncio.wait_for(future, timeout)
         finally:
             self._calls.pop(call_id, None)

@@ -46,6 +46,20 @@ def engine_stats(engine) -> dict:
     return stats
 
 
+def eplb_call(engine, action: str) -> dict:
+    """An EPLB command (``ExpertBalancer.command``) on a single engine or a whole group; the
+    dump goes to the engine's ``expert_stats_out``. Raises ValueError when it fails."""
+    group_command = getattr(engine, "eplb_command", None)
+    if group_command is not None:
+        return group_command(action)
+    from moeserve.eplb.balancer import run_command
+
+    answer = run_command(engine.eplb, action)
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    return answer["result"] or {}
+
+
 class EngineCore:
     def __init__(self, engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None) -> None:
         self.engine = engine
@@ -110,6 +124,11 @@ class EngineCore:
     def _call(self, msg: m.Call) -> m.CallResult:
         if msg.method == "stats":
             return m.CallResult(msg.call_id, engine_stats(self.engine))
+        if msg.method == "eplb":
+            try:
+                return m.CallResult(msg.call_id, eplb_call(self.engine, **(msg.args or {})))
+            except (ValueError, TypeError) as e:
+                return m.CallResult(msg.call_id, error=str(e))
         return m.CallResult(msg.call_id, error=f"unknown method {msg.method!r}")
 
 

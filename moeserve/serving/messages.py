@@ -45,10 +45,12 @@ class FinishSample:
 
 @dataclass(frozen=True)
 class Call:
-    """``method``: ``stats`` (LLMEngine.stats of the whole engine)."""
+    """``method``: ``stats`` (LLMEngine.stats of the whole engine), or ``eplb`` with
+    ``args`` ``{"action": "rebalance" | "dump" | "status"}`` (expert load balancing)."""
 
     call_id: int
     method: str
+    args: dict | None = None
 
 
 @dataclass(frozen=True)

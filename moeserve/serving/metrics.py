@@ -55,6 +55,10 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(f"moeserve:{metric}", doc, labels=["model_name"])
             c.add_metric([name], st[metric])
             yield c
+        if st.get("eplb"):
+            yield from _eplb_metrics(name, st["eplb"])
+        if st.get("spec_decode_num_verify_steps"):
+            yield from _spec_decode_metrics(name, st)
         experts = st.get("expert_counts") or {}
         if not experts:
             return
@@ -77,6 +81,94 @@ class _EngineCollector(Collector):
                 ratio.add_metric([name, str(layer)], max(counts) * len(counts) / total)
         yield tokens
         yield ratio
+
+
+def _spec_decode_metrics(name: str, st: dict) -> Iterator[Metric]:
+    """MTP speculative decoding: drafts verified, drafts accepted, and the mean number of
+    tokens a verifying sequence-step emits (accepted drafts + 1)."""
+    for metric, doc, key in (
+        ("spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+        (
+            "spec_decode_num_drafts",
+            "Sequence-steps that verified drafts.",
+            "num_verify_steps",
+        ),
+    ):
+        c = CounterMetricFamily(f"moeserve:{metric}", doc, labels=["model_name"])
+        c.add_metric([name], st[f"spec_decode_{key}"])
+        yield c
+    steps = st["spec_decode_num_verify_steps"]
+    mean = GaugeMetricFamily(
+        "moeserve:spec_decode_mean_accept_length",
+        "Tokens emitted per sequence-step that verified drafts (accepted drafts + 1), since start.",
+        labels=["model_name"],
+    )
+    mean.add_metric([name], 1.0 + st["spec_decode_num_accepted_tokens"] / steps)
+    yield mean
+
+
+def rank_imbalance(counts: list[int], phy2log: list[int], ep_size: int) -> float:
+    """Max over mean tokens per EP rank when each expert's tokens split evenly over its
+    slots (rank ``r`` holds slots ``[r*S, (r+1)*S)``); 1.0 without tokens."""
+    replicas = [0] * len(counts)
+    for e in phy2log:
+        replicas[e] += 1
+    S = len(phy2log) // ep_size
+    per_rank = [
+        sum(counts[e] / replicas[e] for e in phy2log[r * S : (r + 1) * S]) for r in range(ep_size)
+    ]
+    mean = sum(per_rank) / ep_size
+    return max(per_rank) / mean if mean > 0 else 1.0
+
+
+def _eplb_metrics(name: str, eplb: dict) -> Iterator[Metric]:
+    """Expert load over the EPLB window, the imbalance per MoE layer now and around the last
+    re-placement (``ExpertBalancer.metrics``, merged over ranks)."""
+    window = GaugeMetricFamily(
+        "moeserve:eplb_window_expert_tokens",
+        "Tokens routed to each logical expert over the EPLB window, summed over the EP group.",
+        labels=["model_name", "layer", "expert"],
+    )
+    for layer, counts in sorted(eplb["window"].items(), key=lambda kv: int(kv[0])):
+        for e, n in enumerate(counts):
+            window.add_metric([name, layer, str(e)], n)
+    yield window
+    steps = GaugeMetricFamily(
+        "moeserve:eplb_window_steps", "Engine steps the EPLB window covers.", labels=["model_name"]
+    )
+    steps.add_metric([name], eplb["window_steps"])
+    yield steps
+    now = GaugeMetricFamily(
+        "moeserve:eplb_imbalance",
+        "Per MoE layer: max over mean tokens per EP rank over the window, with the current "
+        "placement (1 = balanced).",
+        labels=["model_name", "layer"],
+    )
+    for layer, table in eplb["placement"].items():
+        counts = eplb["window"].get(layer)
+        if counts:
+            now.add_metric([name, layer], rank_imbalance(counts, table, eplb["ep_size"]))
+    yield now
+    for i, (metric, doc) in enumerate(
+        (
+            ("eplb_imbalance_before", "before the last re-placement (from its window)"),
+            ("eplb_imbalance_after", "after the last re-placement (predicted on its window)"),
+        )
+    ):
+        g = GaugeMetricFamily(
+            f"moeserve:{metric}",
+            f"Per MoE layer: max over mean tokens per EP rank {doc}.",
+            labels=["model_name", "layer"],
+        )
+        for layer, pair in eplb["last_rebalance"].items():
+            g.add_metric([name, layer], pair[i])
+        yield g
+    c = CounterMetricFamily(
+        "moeserve:eplb_rebalances", "EPLB re-placements computed.", labels=["model_name"]
+    )
+    c.add_metric([name], eplb["rebalances"])
+    yield c
 
 
 class ServerMetrics:

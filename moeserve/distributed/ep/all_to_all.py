@@ -85,7 +85,7 @@ class AllToAllDispatcher(Dispatcher):
         check_ep_size(placement, self.ep_size)
         T, K = topk_ids_TK.shape
         D, dtype, S = x_TD.shape[1], x_TD.dtype, placement.slots_per_rank
-        order_N, phys_N = sort_by_slot(topk_ids_TK, placement, offset=self.rank * K)
+        order_N, phys_N = sort_by_slot(topk_ids_TK, placement, own_rank=self.rank)
         token_N = order_N // K
 
         send_E = torch.bincount(phys_N // S, minlength=self.ep_size)

@@ -101,12 +101,13 @@ class Dispatcher(ABC):
 
 
 def sort_by_slot(
-    topk_ids_TK: torch.Tensor, placement: ExpertPlacement, offset: int = 0
+    topk_ids_TK: torch.Tensor, placement: ExpertPlacement, own_rank: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The (token, choice) rows sorted by physical slot (stable): ``(order_N, slot_N)`` where
     row ``i`` is flat choice ``order_N[i]`` (token ``order_N[i] // K``) bound for ``slot_N[i]``.
-    Slots are rank-major, so the rows come grouped by destination rank, then by slot."""
-    phys_N = placement.physical_ids(topk_ids_TK, offset).reshape(-1)
+    Slots are rank-major, so the rows come grouped by destination rank, then by slot. With
+    replicas, ``own_rank`` (the sending rank) picks them (``ExpertPlacement.physical_ids``)."""
+    phys_N = placement.physical_ids(topk_ids_TK, own_rank=own_rank).reshape(-1)
     order_N = phys_N.argsort(stable=True)
     return order_N, phys_N[order_N]
 

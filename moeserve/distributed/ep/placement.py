@@ -11,6 +11,8 @@ Slots are laid out rank-major; rank ``r`` owns ``[r*S, (r+1)*S)``::
     logcnt_E    = [2 2 2 2 1 1 1 1]
 
 ``log2phys``/``logcnt`` have the meaning and shape of DeepSeek's EPLB output for one layer.
+With replicas, :meth:`physical_ids` asks ``eplb.ReplicaTable`` which one serves each choice:
+a replica on the token's own node first (``node_of_rank``), then round-robin over the pool.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
+from moeserve.eplb.replica import ReplicaTable
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,6 +35,7 @@ class ExpertPlacement:
 
     phys2log_P: torch.Tensor
     ep_size: int
+    node_of_rank: tuple[int, ...] | None = None  # node of each EP rank; None: one node
 
     def __post_init__(self) -> None:
         table = torch.as_tensor(self.phys2log_P, dtype=torch.int64).flatten().clone()
@@ -38,6 +43,14 @@ class ExpertPlacement:
         P = table.numel()
         if self.ep_size < 1:
             raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.node_of_rank is not None:
+            nodes = tuple(int(n) for n in self.node_of_rank)
+            if len(nodes) != self.ep_size or min(nodes) < 0:
+                raise ValueError(
+                    f"node_of_rank must give a node >= 0 for each of the {self.ep_size} EP "
+                    f"ranks, got {nodes}"
+                )
+            object.__setattr__(self, "node_of_rank", nodes)
         if P == 0 or P % self.ep_size:
             raise ValueError(
                 f"{P} physical slots do not split evenly over ep_size={self.ep_size} ranks; "
@@ -53,7 +66,13 @@ class ExpertPlacement:
             )
 
     @classmethod
-    def contiguous(cls, num_logical: int, ep_size: int, num_redundant: int = 0) -> ExpertPlacement:
+    def contiguous(
+        cls,
+        num_logical: int,
+        ep_size: int,
+        num_redundant: int = 0,
+        node_of_rank: tuple[int, ...] | None = None,
+    ) -> ExpertPlacement:
         """Expert ``e`` in slot ``e``; redundant slots ``E + i`` hold copies of expert ``i % E``.
 
         Raises ValueError when ``ep_size`` does not divide ``num_logical + num_redundant``.
@@ -69,7 +88,11 @@ class ExpertPlacement:
                 f"redundant slots = {P}"
             )
         table = torch.cat([torch.arange(num_logical), torch.arange(num_redundant) % num_logical])
-        return cls(table, ep_size)
+        return cls(table, ep_size, node_of_rank)
+
+    def with_table(self, phys2log_P: torch.Tensor) -> ExpertPlacement:
+        """The same ranks and nodes holding another slot table (an EPLB re-placement)."""
+        return ExpertPlacement(phys2log_P, self.ep_size, self.node_of_rank)
 
     @property
     def num_physical(self) -> int:
@@ -106,22 +129,33 @@ class ExpertPlacement:
         S = self.slots_per_rank
         return self.phys2log_P[rank * S : (rank + 1) * S].tolist()
 
-    def physical_ids(self, topk_ids_TK: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Map logical choices to slots: choice ``(t, k)`` of an expert with ``c`` replicas goes
-        to its replica ``(offset + t*K + k) % c``. A pure function of its arguments that spreads
-        a batch evenly over the replicas; ranks pass different offsets (the all-to-all
-        dispatcher passes ``rank * K``) so that one token per rank does not pick the same
-        replica everywhere. Raises ValueError for ids outside ``[0, E)``."""
+    @cached_property
+    def replica_table(self) -> ReplicaTable:
+        """The table :meth:`physical_ids` selects replicas with (built once)."""
+        nodes = self.node_of_rank or (0,) * self.ep_size
+        return ReplicaTable.build(
+            self.log2phys, self.logcnt, self.slots_per_rank, torch.tensor(nodes)
+        )
+
+    def physical_ids(
+        self, topk_ids_TK: torch.Tensor, offset: int = 0, own_rank: int = 0
+    ) -> torch.Tensor:
+        """Map logical choices to slots. Without replicas a plain lookup; with them
+        ``ReplicaTable.select``: a replica on ``own_rank``'s node when there is one, and the
+        ``i``-th choice of an expert from this rank takes pool member
+        ``(i + own_rank + offset) % len(pool)``, so a batch spreads evenly over the replicas
+        and ranks start at different ones. A pure function of its arguments. Raises
+        ValueError for ids outside ``[0, E)``."""
         if topk_ids_TK.numel() == 0:
             return torch.empty_like(topk_ids_TK, dtype=torch.int64)
         device = topk_ids_TK.device
-        ids_N = topk_ids_TK.reshape(-1).long().cpu()  # the tables live on the host
-        lo, hi = int(ids_N.min()), int(ids_N.max())
+        ids_TK = topk_ids_TK.long().cpu()  # the tables live on the host
+        lo, hi = int(ids_TK.min()), int(ids_TK.max())
         if lo < 0 or hi >= self.num_logical:
             raise ValueError(
                 f"expert ids must lie in [0, {self.num_logical}), got min {lo}, max {hi}"
             )
         if self.log2phys.shape[1] == 1:  # no replicas: a plain lookup
-            return self.log2phys[:, 0][ids_N].view(topk_ids_TK.shape).to(device)
-        replica_N = (torch.arange(ids_N.numel()) + offset) % self.logcnt[ids_N]
-        return self.log2phys[ids_N, replica_N].view(topk_ids_TK.shape).to(device)
+            return self.log2phys[:, 0][ids_TK].to(device)
+        phys_TK = self.replica_table.select(ids_TK, own_rank, offset, validate=False)
+        return phys_TK.to(device)
