@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import BENCH_CONFIG, bench_model_path  # noqa: E402
 
 from moeserve import LLM, SamplingParams  # noqa: E402
+from moeserve.planner.calibrate.engine import time_decode_steps  # noqa: E402
 from moeserve.planner.cost_model import Rank  # noqa: E402
 from moeserve.planner.hardware import load_profile  # noqa: E402
 from moeserve.planner.layout import Layout  # noqa: E402
@@ -64,21 +64,7 @@ def measure_decode(llm: LLM, batch: int, steps: int, seed: int, runs: int = 2) -
 
 
 def _decode_once(llm: LLM, batch: int, steps: int, seed: int) -> float:
-    engine = llm.engine
-    g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    for b in range(batch):
-        engine.add_request(f"d{seed}-{b}", _prompt(g, PROMPT_LEN), params)
-    seen: set[str] = set()
-    while len(seen) < batch:
-        for out in engine.step():
-            seen.add(out.request_id)
-    times = []
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[:-1])
+    return time_decode_steps(llm, batch, PROMPT_LEN, steps, BENCH_CONFIG["vocab_size"], seed)
 
 
 def measure_prefill(llm: LLM, prompts: int, n: int, seed: int, repeats: int = 3) -> float:

@@ -11,17 +11,15 @@ keeps AVX2).
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from moeserve.config import cpu_flags
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.build import I64, INT, PTR
-from moeserve.ops.cpu.kernels import moe_call_buffers
+from moeserve.ops.cpu.kernels import moe_call_buffers, wide  # one ISA choice for fp32 and int8
 from moeserve.quant.int8 import Int8Tensor
 
 _SOURCE = Path(__file__).with_name("int8.c")
@@ -77,11 +75,6 @@ def available() -> bool:
 
 
 @lru_cache(maxsize=1)
-def wide() -> bool:
-    """Whether the kernels run their AVX-512F variant (twice the lanes per FMA) here."""
-    return "avx512f" in cpu_flags() and os.environ.get("MOESERVE_CPU_AVX512", "1") != "0"
-
-
 def _rows_ok(w: Int8Tensor) -> bool:
     return (
         w.q.device.type == "cpu"

@@ -10,52 +10,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    first_k_dense_replace=1,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_rope_head_dim=16,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    n_routed_experts=16,
-    num_experts_per_tok=4,
-    n_group=4,
-    topk_group=2,
-    n_shared_experts=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    scoring_func="sigmoid",
-    topk_method="noaux_tc",
-    num_nextn_predict_layers=0,
-    max_position_embeddings=512,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-    tie_word_embeddings=False,
-    bos_token_id=0,
-    eos_token_id=1,
-    model_type="deepseek_v3",
-    architectures=["DeepseekV3ForCausalLM"],
-)
+from moeserve.demo import DEMO_CONFIG
+
+# the demo model's shapes (DEMO_CONFIG), without YaRN and the MTP layer; layers set per call
+TINY = {
+    **DEMO_CONFIG,
+    "rope_scaling": None,
+    "num_nextn_predict_layers": 0,
+    "max_position_embeddings": 512,
+}
 
 
-def time_decode_steps(llm: Any, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+def time_decode_steps(
+    llm: Any, batch: int, prompt_len: int, steps: int, vocab: int, seed: int | None = None
+) -> float:
     """Median seconds of one engine decode step with ``batch`` sequences decoding (after
-    their prefill); ``llm`` is a :class:`moeserve.LLM`."""
+    their prefill); ``llm`` is a :class:`moeserve.LLM`; prompts drawn with ``seed`` (default:
+    the batch size)."""
     import torch
 
     from moeserve import SamplingParams
 
     engine = llm.engine
-    g = torch.Generator().manual_seed(batch)
+    g = torch.Generator().manual_seed(batch if seed is None else seed)
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     tag = time.perf_counter_ns()
     for b in range(batch):
