@@ -42,6 +42,19 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
 
     @cached_property
+    def decode_kernel_args(self) -> tuple[int, int, int, int] | None:
+        """``(block table pointer, its row stride, context lengths pointer, block size)`` for
+        the paged decode kernel (``ops/cpu/attention.c``), int32 and contiguous; None without
+        decodes or off the CPU. Derived once per step for every layer."""
+        table, lens = self.decode_block_table_BN, self.decode_context_lens_B
+        if not self.num_decodes or table.device.type != "cpu":
+            return None
+        table = table.to(torch.int32).contiguous()
+        lens = lens.to(torch.int32).contiguous()
+        self.__dict__["_decode_int32"] = (table, lens)  # keeps the pointers valid
+        return table.data_ptr(), table.stride(0), lens.data_ptr(), self.block_size
+
+    @cached_property
     def decode_slots_BL(self) -> torch.Tensor | None:
         """[num_decodes, L_max] context slots, 0 where padded (built on first use)."""
         if not self.num_decodes:

@@ -14,10 +14,28 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        # (kernel, weight pointer) for decode rows, bound on first use (``_bind``)
+        self._kernel: tuple | None = None
+
+    def _bind(self) -> tuple | None:
+        w = self.weight
+        if not (
+            w.dtype == torch.float32
+            and w.device.type == "cpu"
+            and w.is_contiguous()
+            and kernels.available()
+        ):
+            return None
+        self._kernel = (kernels._library().moeserve_rms_norm, w, w.data_ptr())
+        return self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            y = kernels.rms_norm(x, self.weight, self.eps)  # decode rows on CPU
+            if x.dim() == 2:
+                y = self.decode_rows(x)
+            else:  # per-head norms (Qwen's q/k norm): rows of the last dim
+                y = self.decode_rows(x.reshape(-1, x.shape[-1]))
+                y = None if y is None else y.view(x.shape)
             if y is not None:
                 return y
             # one fused op; the same arithmetic as the reference path below
@@ -25,3 +43,26 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def decode_rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The kernel (``kernels.c``) for a few fp32 rows ``x [M, D]`` with unit-stride rows
+        (a column slice is fine), into ``out [M, D]`` when given; None when it does not apply
+        (the caller then runs ``F.rms_norm``, the reference)."""
+        k = self._kernel
+        if k is None or k[1] is not self.weight or k[2] != self.weight.data_ptr():
+            k = self._bind()  # first call, or the weight was replaced or moved
+            if k is None:
+                return None
+        M, D = x.shape[0], x.shape[-1]
+        if not (
+            0 < M <= kernels.MAX_ROWS
+            and x.dim() == 2
+            and x.dtype == torch.float32
+            and x.stride(1) == 1
+            and x.device.type == "cpu"
+        ):
+            return None
+        if out is None:
+            out = torch.empty(M, D, dtype=torch.float32)
+        k[0](M, D, x.data_ptr(), x.stride(0), k[2], self.eps, out.data_ptr(), out.stride(0))
+        return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve.ops.cpu import int8 as int8_kernels
 from moeserve.ops.cpu import kernels
 from moeserve.ops.linear_int8 import linear_int8, linear_int8_into
 from moeserve.quant.int8 import as_int8
@@ -32,3 +33,60 @@ def linear_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Te
     if kernels.usable(x, w) and out.stride(-1) == 1:
         return kernels.gemm_nt(x, w, out=out)
     return torch.matmul(x, w.t(), out=out)
+
+
+class BoundLinear:
+    """``x @ w.T`` for decode rows with the kernel arguments that depend only on ``w`` (its
+    pointer, strides, shape, the ISA choice) derived once, so a call costs one ctypes call and
+    the checks on ``x``. Rows the kernel does not take (too many, other dtype or layout) go
+    through :func:`linear`, the reference dispatch. ``w`` must stay where it is while bound:
+    ``pointers`` lists each bound tensor with the address used, so the owner can see a moved
+    weight (``p.data`` replaced) and bind again."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+        self.N, self.K = w.shape[0], w.shape[-1]
+        self.fn = None
+        self.max_rows = 0
+        self.pointers: tuple[tuple[torch.Tensor, int], ...] = ()
+        q = as_int8(w)
+        if q is not None:
+            if int8_kernels.available() and w.dim() == 2 and int8_kernels._rows_ok(q):
+                lib = int8_kernels._library()
+                self.fn = lib.moeserve_int8_gemm_nt_small
+                self.max_rows = int8_kernels.MAX_ROWS
+                self.w_args = (q.q.data_ptr(), q.q.stride(0), q.scale.data_ptr())
+                self.wide = int(int8_kernels.wide())
+                self.pointers = ((q.q, q.q.data_ptr()), (q.scale, q.scale.data_ptr()))
+        elif (
+            kernels.available()
+            and w.dim() == 2
+            and w.dtype == torch.float32
+            and w.device.type == "cpu"
+            and w.stride(1) == 1
+        ):
+            self.fn = kernels._library().moeserve_gemm_nt_small
+            self.max_rows = kernels.MAX_ROWS
+            self.w_args = (w.data_ptr(), w.stride(0))
+            self.wide = int(kernels.wide())
+            self.pointers = ((w, w.data_ptr()),)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K]`` -> ``[M, N]`` (into ``out``, unit-stride rows, when given)."""
+        M = x.shape[0]
+        if not (
+            self.fn is not None
+            and 0 < M <= self.max_rows
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and x.stride(1) == 1
+        ):
+            y = linear(x, self.w)
+            return y if out is None else out.copy_(y)
+        if out is None:
+            out = torch.empty(M, self.N, dtype=torch.float32)
+        self.fn(
+            M, self.N, self.K, x.data_ptr(), x.stride(0), *self.w_args,
+            out.data_ptr(), out.stride(0), self.wide,
+        )  # fmt: skip
+        return out

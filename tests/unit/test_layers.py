@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeserve.layers.attention_meta import AttentionMetadata
-from moeserve.layers.mla import MLAttention
+from moeserve.layers.mla import MLADecodeCalls, MLAttention
 from moeserve.layers.moe import moe_grouped, moe_reference, route_grouped_sigmoid
 from moeserve.layers.rotary import RotaryEmbedding, inv_freq_and_attention_factor
 from moeserve.models.hf_config import ModelConfig
@@ -91,3 +91,117 @@ def test_absorbed_decode_equals_naive_attention():
         attn(pos[:-1], x[:-1], AttentionMetadata.build([0], [L - 1], [table], bs))
         absorbed = attn(pos[-1:], x[-1:], AttentionMetadata.build([L - 1], [1], [table], bs))
     torch.testing.assert_close(absorbed[0], naive[-1], rtol=1e-4, atol=1e-5)
+
+
+def _random_mla(int8: bool) -> MLAttention:
+    from moeserve.quant.apply import quantize_int8
+
+    raw = {**DEEPSEEK_KW, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    cfg = ModelConfig.from_hf(raw)
+    torch.manual_seed(0)
+    attn = MLAttention(cfg, RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, 256))
+    dense = {n: torch.randn(p.shape) * 0.2 for n, p in attn.named_parameters()}
+    if int8:
+        quantize_int8(attn)
+    for name, t in dense.items():
+        mod_name, _, attr = name.rpartition(".")
+        getattr(attn.get_submodule(mod_name), attr).copy_(t)
+    attn.process_weights_after_loading()
+    return attn
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("B", [1, 3])
+def test_mla_decode_calls_equal_the_torch_path(B, int8):
+    """The prebound decode calls (``MLADecodeCalls``) give the same output and cache rows, bit
+    for bit, as the per-op path they replace, over several steps of B decodes."""
+    from moeserve.ops.cpu import kernels
+
+    if not kernels.available():
+        pytest.skip("no CPU kernels here")
+    attn = _random_mla(int8)
+    bs = 4
+    width = attn.C + attn.R
+    tables = [[5, 2, 7, 0], [1, 3, 6, 4], [9, 8, 10, 11]][:B]
+    caches = [torch.randn(12 * bs, width) for _ in range(2)]
+    caches[1].copy_(caches[0])
+    outs = []
+    for fast, cache in zip((True, False), caches):
+        attn.kv_cache = cache
+        attn._decode_calls = None if fast else False
+        got = []
+        with torch.no_grad():
+            for step in range(3):
+                starts = [5 + step + b for b in range(B)]
+                meta = AttentionMetadata.build(starts, [1] * B, tables, bs)
+                x = torch.randn(
+                    B, attn.qkv_a_proj.in_features, generator=torch.Generator().manual_seed(step)
+                )
+                got.append(attn(torch.tensor(starts), x, meta))
+        outs.append(got)
+        if fast:  # the calls ran (bound for B rows), not the fallback
+            assert isinstance(attn._decode_calls, MLADecodeCalls) and attn._decode_calls.T == B
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("T", [1, 6])
+def test_moe_decode_calls_equal_the_torch_path(T, int8):
+    """The prebound MoE decode calls (``MoEDecodeCalls``: routing, sort, one-call experts,
+    combine) give the same output and expert counts, bit for bit, as the torch path."""
+    from moeserve.layers.moe_block import MoEBlock, MoEDecodeCalls
+    from moeserve.ops.cpu import kernels
+    from moeserve.quant.apply import quantize_int8
+
+    if not kernels.available():
+        pytest.skip("no CPU kernels here")
+    raw = {**DEEPSEEK_KW, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    cfg = ModelConfig.from_hf(raw)
+    torch.manual_seed(0)
+    block = MoEBlock(cfg)
+    assert block.shared_slot is not None  # DeepSeek's shared expert runs as one more slot
+    dense = {n: torch.randn(p.shape) * 0.3 for n, p in block.named_parameters()}
+    if int8:
+        quantize_int8(block)
+    for name, t in dense.items():
+        mod_name, _, attr = name.rpartition(".")
+        getattr(block.get_submodule(mod_name), attr).copy_(t)
+    outs, counts = [], []
+    for fast in (True, False):
+        block._decode_calls = None if fast else False
+        block.expert_counts_E.zero_()
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            outs.append([block(torch.randn(T, cfg.hidden_size, generator=g)) for _ in range(3)])
+        counts.append(block.expert_counts_E.clone())
+        if fast:
+            assert isinstance(block._decode_calls, MoEDecodeCalls) and block._decode_calls.T == T
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert torch.equal(counts[0], counts[1]) and int(counts[0].sum()) == 3 * T * 4
+
+
+def test_mla_decode_calls_follow_moved_weights():
+    """Weights moved after the calls were bound (``p.data`` replaced, as the huge-page move
+    does) are bound again, not read at their old address."""
+    from moeserve.ops.cpu import kernels
+
+    if not kernels.available():
+        pytest.skip("no CPU kernels here")
+    attn = _random_mla(int8=False)
+    attn.kv_cache = torch.zeros(8 * 4, attn.C + attn.R)
+    meta = AttentionMetadata.build([3], [1], [[1, 0]], 4)
+    x, pos = torch.randn(1, attn.qkv_a_proj.in_features), torch.tensor([3])
+    with torch.no_grad():
+        attn(pos, x, meta)
+        first = attn._decode_calls
+        for p in attn.parameters():
+            p.data = p.data * 2  # new storage, new values
+        attn.process_weights_after_loading()  # w_uk / w_uv derived again
+        attn._decode_calls = first  # as if nobody had told the layer
+        fast = attn(pos, x, meta)
+        assert attn._decode_calls is not first
+        attn._decode_calls = False
+        torch.testing.assert_close(fast, attn(pos, x, meta), rtol=0, atol=0)
