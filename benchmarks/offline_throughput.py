@@ -8,7 +8,8 @@ measured here) and the fraction of it reached. Prints a table, writes JSON and a
 tokens/s against batch size with the rooflines drawn in.
 
     python benchmarks/offline_throughput.py [--formats fp32,int8] [--threads 2] [--profile DIR]
-    python benchmarks/offline_throughput.py --model DIR --speculative-num-tokens K  # MTP
+    python benchmarks/offline_throughput.py --model DIR --speculative-num-tokens K[,K...] \
+        [--formats fp32,int8] [--hot-vocab N | --speculative-token-map FILE]      # MTP
 """
 
 from __future__ import annotations
@@ -197,51 +198,111 @@ def plot(path: Path, args, results: dict, roofs: dict) -> None:
     print(f"wrote {path}")
 
 
+def hot_vocab_ids(llm: LLM, args, vocab: int) -> list[int]:
+    """``--hot-vocab N``: the N most frequent ids of the model's own greedy outputs on the
+    prompts this run decodes (every batch), padded with the smallest unused ids to exactly N
+    (the draft head's size is what costs). A stand-in for a token-frequency map of real text:
+    on these prompts it covers every token the target emits."""
+    from moeserve.spec.hot_vocab import most_frequent_ids
+
+    stream: list[int] = []
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    for b in args.batches:
+        g = torch.Generator().manual_seed(b + PROMPT_SEED_OFFSET)
+        prompts = [torch.randint(2, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(b)]
+        stream += [t for o in llm.generate(prompts, params) for t in o.outputs[0].token_ids]
+    hot = most_frequent_ids(stream, args.hot_vocab, vocab)
+    taken = set(hot)
+    hot += [t for t in range(vocab) if t not in taken][: args.hot_vocab - len(hot)]
+    return hot
+
+
 def run_speculative(args, model_dir: str, vocab: int) -> None:
-    """``--speculative-num-tokens K``: decode tokens/s at each batch with MTP off and with K
-    drafts per step (greedy, the same prompts), the mean accept length and the speedup."""
+    """``--speculative-num-tokens K[,K...]``: decode tokens/s at each batch with MTP off and
+    with each K drafts per step (greedy, the same prompts), per weight format. One engine per
+    format switches between the modes (``spec_setup.set_speculation``) and the modes alternate
+    within every repeat, so the machine's drifting bandwidth hits them alike; best of
+    ``--repeats`` each. With a token map (``--speculative-token-map`` or ``--hot-vocab``)
+    every K also runs with drafts from the hot ids only."""
+    from moeserve.engine.spec_setup import set_speculation
+
+    ks = args.speculative_ks
     rows = []
-    for k in (0, args.speculative_num_tokens):
+    for fmt in args.formats.split(","):
         llm = LLM(
             model=model_dir,
             dtype=args.dtype,
+            **({} if fmt == "fp32" else {"quantization": fmt}),
             device=args.device,
             max_num_seqs=max(args.batches),
             max_model_len=PROMPT_LEN + args.new_tokens + 8,
+            num_threads=args.threads,
             progress=False,
-            speculative_num_tokens=k,
+            speculative_num_tokens=max(ks),
         )
+        engine = llm.engine
+        vocab = engine.model_config.vocab_size  # the prompts' range (any MTP checkpoint)
+        token_map = args.speculative_token_map
+        if args.hot_vocab:
+            set_speculation(engine, 0)
+            token_map = hot_vocab_ids(llm, args, vocab)
+        modes = [("off", 0, None)] + [(f"k={k}", k, None) for k in ks]
+        if token_map is not None:
+            n = args.hot_vocab or "map"
+            modes += [(f"k={k} hot {n}", k, token_map) for k in ks]
+        set_speculation(engine, 0)
+        time_moeserve_decode(llm, 1, 4, vocab, 1)  # warm-up
         for b in args.batches:
-            st0 = llm.engine.stats()
-            tps = time_moeserve_decode(llm, b, args.new_tokens, vocab, args.repeats)
-            st1 = llm.engine.stats()
-            d = {
-                key: st1[f"spec_decode_num_{key}"] - st0[f"spec_decode_num_{key}"]
-                for key in ("draft_tokens", "accepted_tokens", "verify_steps")
-            }
-            accept = 1 + d["accepted_tokens"] / d["verify_steps"] if d["verify_steps"] else None
-            rows.append(dict(k=k, batch=b, tokens_per_s=tps, accept_length=accept, **d))
+            best: dict[str, float] = {}
+            counts = {m[0]: dict(draft_tokens=0, accepted_tokens=0, verify_steps=0) for m in modes}
+            for _ in range(args.repeats):
+                for name, k, tm in modes:
+                    set_speculation(engine, k, tm)
+                    st0 = engine.stats()
+                    tps = time_moeserve_decode(llm, b, args.new_tokens, vocab, 1)
+                    st1 = engine.stats()
+                    for key in counts[name]:
+                        counts[name][key] += (
+                            st1[f"spec_decode_num_{key}"] - st0[f"spec_decode_num_{key}"]
+                        )
+                    best[name] = max(best.get(name, 0.0), tps)
+            for name, k, tm in modes:
+                d = counts[name]
+                accept = 1 + d["accepted_tokens"] / d["verify_steps"] if d["verify_steps"] else None
+                rows.append(
+                    dict(
+                        format=fmt,
+                        mode=name,
+                        k=k,
+                        hot_ids=len(tm) if tm is not None and not isinstance(tm, str) else tm,
+                        batch=b,
+                        tokens_per_s=best[name],
+                        speedup=best[name] / best["off"],
+                        accept_length=accept,
+                        **d,
+                    )
+                )
+        llm.shutdown()
         del llm
         gc.collect()
-    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["k"] == 0}
-    print(f"\nMTP speculative decoding, k={args.speculative_num_tokens}, {args.threads} threads")
-    print(f"{'batch':>6}{'off tok/s':>12}{'on tok/s':>12}{'speedup':>10}{'accept len':>12}")
+    print(f"\nMTP speculative decoding, {args.threads} threads, best of {args.repeats} interleaved")
+    print(f"{'format':<8}{'batch':>6}  {'mode':<16}{'tok/s':>10}{'speedup':>10}{'accept len':>12}")
     for r in rows:
-        if r["k"]:
-            r["speedup"] = r["tokens_per_s"] / base[r["batch"]]
-            acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
-            print(
-                f"{r['batch']:>6}{base[r['batch']]:>12.1f}{r['tokens_per_s']:>12.1f}"
-                f"{r['speedup']:>9.2f}x{acc:>12}"
-            )
+        acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
+        print(
+            f"{r['format']:<8}{r['batch']:>6}  {r['mode']:<16}{r['tokens_per_s']:>10.1f}"
+            f"{r['speedup']:>9.2f}x{acc:>12}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = dict(
         threads=args.threads,
         new_tokens=args.new_tokens,
+        repeats=args.repeats,
         prompt_seed_offset=args.prompt_seed_offset,
         model=model_dir,
         rows=rows,
+        torch=torch.__version__,
     )
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
@@ -268,11 +329,24 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=int, default=1)
     ap.add_argument(
         "--speculative-num-tokens",
+        default="0",
+        metavar="K[,K...]",
+        help="only compare decode with MTP off and with K drafts per step (needs a model with "
+        "an MTP layer: benchmarks/fit_mtp.py); batches default to 1,8,32, formats to fp32",
+    )
+    ap.add_argument(
+        "--speculative-token-map",
+        default=None,
+        metavar="FILE",
+        help="with --speculative-num-tokens: also draft from these hot ids only",
+    )
+    ap.add_argument(
+        "--hot-vocab",
         type=int,
         default=0,
-        metavar="K",
-        help="only compare decode with MTP off and with K drafts per step (needs a model with "
-        "an MTP layer: benchmarks/fit_mtp.py); batches default to 1,8,32",
+        metavar="N",
+        help="with --speculative-num-tokens: also draft from the N most frequent ids of the "
+        "model's greedy outputs on these prompts",
     )
     ap.add_argument(
         "--prompt-seed-offset",
@@ -291,12 +365,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(bench_model_path())
     vocab = BENCH_CONFIG["vocab_size"]
-    if args.speculative_num_tokens:
+    args.speculative_ks = [int(k) for k in args.speculative_num_tokens.split(",") if int(k)]
+    if args.speculative_ks:
         if "--batches" not in sys.argv:
             args.batches = [1, 8, 32]
+        if "--formats" not in sys.argv:
+            args.formats = "fp32"
         if "--out" not in sys.argv:
             suffix = f"_seed{args.prompt_seed_offset}" if args.prompt_seed_offset else ""
-            args.out = f"bench_out/offline_mtp_k{args.speculative_num_tokens}{suffix}.json"
+            ks = "".join(str(k) for k in args.speculative_ks)
+            fmts = args.formats.replace(",", "_")
+            args.out = f"bench_out/offline_mtp_k{ks}_{fmts}{suffix}.json"
         return run_speculative(args, model_dir, vocab)
 
     probe = MachineProbe(args.device)

@@ -37,6 +37,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="speculative decoding: draft K tokens per step with the MTP layer (0: off)",
     )
+    p.add_argument(
+        "--speculative-token-map",
+        default=None,
+        metavar="FILE",
+        help="draft from these hot token ids only (.pt tensor, .json list or text of ids)",
+    )
     p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads per rank")
     par = p.add_argument_group("parallelism (vLLM's meanings; ranks are spawned here)")
     par.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp")
@@ -124,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         load_mtp=not args.no_mtp,
         speculative_num_tokens=args.speculative_num_tokens,
+        speculative_token_map=args.speculative_token_map,
         num_threads=args.threads,
         tensor_parallel_size=args.tp,
         data_parallel_size=dp or 1,

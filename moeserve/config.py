@@ -78,6 +78,8 @@ class EngineConfig:
     load_mtp: bool = True
     # speculative decoding with the checkpoint's MTP layer: draft tokens per step; 0: off
     speculative_num_tokens: int = 0
+    # a file of hot token ids the drafts are proposed from (spec/hot_vocab.py); None: all
+    speculative_token_map: str | None = None
     quantization: str | None = None  # None | "none" | "int8": weight-only, applied at load
     num_threads: int | None = None
     seed: int = 0
@@ -118,6 +120,8 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_num_tokens must be >= 0, got {self.speculative_num_tokens}"
             )
+        if self.speculative_token_map and not self.speculative_num_tokens:
+            raise ValueError("speculative_token_map needs speculative_num_tokens >= 1")
         if self.speculative_num_tokens and not self.load_mtp:
             raise ValueError("speculative_num_tokens drafts with the MTP layer: drop --no-mtp")
         if self.speculative_num_tokens and self.pipeline_parallel_size > 1:

@@ -128,8 +128,9 @@ class LLMEngine:
                 num_spec_tokens=num_spec,
             )
         )
+        spec_map = config.speculative_token_map
         self.runner = make_runner(
-            self.model, self.kv_pool.caches, bs, self.device, groups, num_spec
+            self.model, self.kv_pool.caches, bs, self.device, groups, num_spec, spec_map
         )
         # expert-load statistics and placement (EPLB); None without MoE layers on this rank
         self.eplb = ExpertBalancer.create(self.model, groups, config.eplb_options)

@@ -202,12 +202,14 @@ class ModelRunner:
             return []
 
         # prompt logprobs read the entries' own rows, in batch order
-        own = [
-            r
-            for i, e in enumerate(entries)
-            for r in range(first_row[i], first_row[i] + e.num_new_tokens)
-        ]
-        outputs = self._prompt_logprobs(batch, h_TD[torch.tensor(own, **to)])
+        outputs = [SeqStepOutput() for _ in entries]
+        if any(e.seq.wants_prompt_logprobs for e in entries):
+            own = [
+                r
+                for i, e in enumerate(entries)
+                for r in range(first_row[i], first_row[i] + e.num_new_tokens)
+            ]
+            outputs = self._prompt_logprobs(batch, h_TD[torch.tensor(own, **to)])
 
         sampling = [i for i, e in enumerate(entries) if e.sample]
         checked: dict[int, tuple[int, ...]] = {}  # the drafts each sampling entry verifies

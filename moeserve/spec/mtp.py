@@ -15,6 +15,8 @@ positions; the next step's MTP pass rewrites them before anything reads them, so
 is only a matter of ``num_computed_tokens``. RoPE is relative, so using position ``i`` for the
 row (transformers uses ``i + 1``) changes no score.
 
+With a hot vocabulary (``spec/hot_vocab.py``) the drafts' logits cover the hot ids only.
+
 Shape suffixes: T rows, D model dim, B sequences, V vocabulary.
 """
 
@@ -28,6 +30,7 @@ import torch
 from moeserve.core import Sequence
 from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.spec.batch import attention_rows, runs_as_decodes
+from moeserve.spec.hot_vocab import HotVocab
 from moeserve.spec.verify import SeqView, sample_drafts
 
 
@@ -48,12 +51,25 @@ class MTPRows:
 
 class MTPProposer:
     """Runs the MTP layer ``layer`` (an ``MTPLayer`` of ``models/deepseek_v3.py``) over its
-    own KV cache, bound by the engine."""
+    own KV cache, bound by the engine; drafts from ``hot`` ids only when given."""
 
-    def __init__(self, layer: torch.nn.Module, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        block_size: int,
+        device: torch.device,
+        hot: HotVocab | None = None,
+    ) -> None:
         self.layer = layer
         self.block_size = block_size
         self.device = device
+        self.hot = hot
+
+    def draft_logits(self, h_BD: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[B, V]``: the layer's head, or over the hot ids only (-inf elsewhere)."""
+        if self.hot is not None:
+            return self.hot.full_logits(h_BD)
+        return self.layer.compute_logits(h_BD)
 
     def propose(
         self, h_TD: torch.Tensor, entries: SequenceABC[MTPRows]
@@ -102,7 +118,7 @@ class MTPProposer:
         step = 0
         while want:
             views = [SeqView.of(entries[i].seq, entries[i].history + drafts[i]) for i in want]
-            toks, ps = sample_drafts(self.layer.compute_logits(h_BD), views)
+            toks, ps = sample_drafts(self.draft_logits(h_BD), views)
             for i, t, p in zip(want, toks, ps, strict=True):
                 drafts[i].append(t)
                 probs[i].append(p)

@@ -75,6 +75,16 @@ def greedy_accept(
     return accepted_B, _emitted(draft_ids_BK, accepted_B, last_B)
 
 
+def greedy_accept_row(drafts: list[int], target_ids: list[int]) -> list[int]:
+    """:func:`greedy_accept` for one sequence on plain lists, the form ``verify`` runs: at the
+    batch sizes a CPU verifies, a few list compares cost less than a dozen tiny tensor ops.
+    Returns the tokens emitted: the accepted drafts, then ``target_ids[accepted]``."""
+    a = 0
+    while a < len(drafts) and drafts[a] == target_ids[a]:
+        a += 1
+    return [*drafts[:a], target_ids[a]]
+
+
 def rejection_sample(
     draft_ids_BK: torch.Tensor,
     num_drafts_B: torch.Tensor,

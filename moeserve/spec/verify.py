@@ -15,6 +15,7 @@ Shape suffixes: N rows, B sequences, K most drafts, K1 = K + 1, V vocabulary.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch
 
 from moeserve.core import PositionLogprobs, SamplingParams, Sequence
 from moeserve.layers.sampler import _logprob_dicts, process_logits, sampling_logits
-from moeserve.spec.rejection import greedy_accept, inverse_cdf, rejection_sample
+from moeserve.spec.rejection import greedy_accept_row, inverse_cdf, rejection_sample
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,11 @@ def sample_drafts(
     logits_NV: torch.Tensor, views: SequenceABC[SeqView]
 ) -> tuple[list[int], list[torch.Tensor | None]]:
     """One draft token per row, and the distribution it was drawn from (None for greedy
-    rows, which take the argmax). Uses one uniform of the row's generator per random row."""
+    rows, which take the argmax). Uses one uniform of the row's generator per random row.
+
+    Logits may be -inf outside a subset (a hot vocabulary): the distribution is then the
+    subset's, renormalized. A row left with no finite logit (every hot id masked) drafts token
+    0 with probability 1, which rejection sampling handles like any other draft."""
     processed_NV = process_logits(logits_NV.float(), views)
     tokens_N = processed_NV.argmax(dim=-1)
     probs: list[torch.Tensor | None] = [None] * len(views)
@@ -71,7 +76,11 @@ def sample_drafts(
     if rand:
         idx = torch.tensor(rand, device=logits_NV.device)
         rviews = [views[i] for i in rand]
-        probs_RV = sampling_logits(processed_NV[idx], rviews).softmax(dim=-1)
+        l_RV = sampling_logits(processed_NV[idx], rviews)
+        dead_R = l_RV.max(dim=-1).values == -math.inf
+        if bool(dead_R.any()):
+            l_RV[dead_R, 0] = 0.0
+        probs_RV = l_RV.softmax(dim=-1)
         u_R = torch.tensor([u for (u,) in _uniforms(rviews, [1] * len(rand))], dtype=torch.float64)
         tokens_N[idx] = inverse_cdf(probs_RV, u_R.to(probs_RV.device))
         for r, i in enumerate(rand):
@@ -105,29 +114,24 @@ def verify(
     starts = [0]
     for n in counts:
         starts.append(starts[-1] + n + 1)
-    # [B, K1] row index of each (sequence, position); padding repeats the sequence's last row
-    pad_BK1 = torch.tensor(
-        [[starts[b] + min(j, counts[b]) for j in range(K + 1)] for b in range(B)], device=dev
-    )
-    draft_BK = torch.tensor(
-        [list(d) + [0] * (K - len(d)) for d in drafts], dtype=torch.long, device=dev
-    ).reshape(B, K)
-    num_B = torch.tensor(counts, device=dev)
-    accepted_B = torch.zeros(B, dtype=torch.long, device=dev)
-    tokens_BK1 = torch.zeros(B, K + 1, dtype=torch.long, device=dev)
+    emitted: list[list[int]] = [[] for _ in range(B)]
 
     greedy = [b for b in range(B) if seqs[b].params.greedy]
     rand = [b for b in range(B) if not seqs[b].params.greedy]
     if greedy:
-        g = torch.tensor(greedy, device=dev)
-        target_BK1 = processed_NV.argmax(dim=-1)[pad_BK1[g]]
-        accepted_B[g], tokens_BK1[g] = greedy_accept(draft_BK[g], num_B[g], target_BK1)
+        target = processed_NV.argmax(dim=-1).tolist()
+        for b in greedy:
+            emitted[b] = greedy_accept_row(list(drafts[b]), target[starts[b] : starts[b + 1]])
     if rand:
-        r = torch.tensor(rand, device=dev)
+        R = len(rand)
+        draft_RK = torch.tensor(
+            [list(drafts[b]) + [0] * (K - counts[b]) for b in rand], dtype=torch.long, device=dev
+        ).reshape(R, K)
+        num_R = torch.tensor([counts[b] for b in rand], device=dev)
         rows = [starts[b] + j for b in rand for j in range(counts[b] + 1)]
         rviews = [views[i] for i in rows]
         p_NV = sampling_logits(processed_NV[torch.tensor(rows, device=dev)], rviews).softmax(-1)
-        # rows of p in rand order, then padded per sequence
+        # [R, K1] rows of p per sequence, in rand order; padding repeats the last row
         rstarts = [0]
         for b in rand:
             rstarts.append(rstarts[-1] + counts[b] + 1)
@@ -136,7 +140,7 @@ def verify(
             device=dev,
         )
         p_RK1V = p_NV[p_idx]
-        q_RKV = torch.ones(len(rand), K, V, dtype=p_NV.dtype, device=dev)
+        q_RKV = torch.ones(R, K, V, dtype=p_NV.dtype, device=dev)
         for i, b in enumerate(rand):
             if counts[b]:
                 q = draft_probs[b]
@@ -149,22 +153,24 @@ def verify(
         us = _uniforms([SeqView.of(seqs[b]) for b in rand], [counts[b] + 1 for b in rand])
         u_acc = torch.tensor([u[:-1] + [1.0] * (K - len(u) + 1) for u in us], dtype=torch.float64)
         u_fin = torch.tensor([u[-1] for u in us], dtype=torch.float64)
-        accepted_B[r], tokens_BK1[r] = rejection_sample(
-            draft_BK[r], num_B[r], q_RKV, p_RK1V, u_acc.reshape(len(rand), K).to(dev), u_fin
+        accepted_R, tokens_RK1 = rejection_sample(
+            draft_RK, num_R, q_RKV, p_RK1V, u_acc.reshape(R, K).to(dev), u_fin
         )
+        for i, (a, toks) in enumerate(zip(accepted_R.tolist(), tokens_RK1.tolist(), strict=True)):
+            emitted[rand[i]] = toks[: a + 1]
 
     result = []
-    acc, toks = accepted_B.tolist(), tokens_BK1.tolist()
+    acc = [len(e) - 1 for e in emitted]
     want_lp = [b for b in range(B) if seqs[b].params.logprobs is not None]
     lp_rows = {b: [None] * (acc[b] + 1) for b in range(B)}
     if want_lp:
         rows = [starts[b] + j for b in want_lp for j in range(acc[b] + 1)]
-        chosen = torch.tensor([toks[b][j] for b in want_lp for j in range(acc[b] + 1)])
+        chosen = torch.tensor([t for b in want_lp for t in emitted[b]])
         nums = [seqs[b].params.logprobs or 0 for b in want_lp for _ in range(acc[b] + 1)]
         logprobs_RV = torch.log_softmax(logits_NV[torch.tensor(rows, device=dev)], dim=-1)
         entries = iter(_logprob_dicts(logprobs_RV, chosen.to(dev), nums))
         for b in want_lp:
             lp_rows[b] = [next(entries) for _ in range(acc[b] + 1)]
     for b in range(B):
-        result.append(Verified(toks[b][: acc[b] + 1], lp_rows[b], acc[b]))
+        result.append(Verified(emitted[b], lp_rows[b], acc[b]))
     return result

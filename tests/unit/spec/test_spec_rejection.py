@@ -8,6 +8,7 @@ import torch
 
 from moeserve.spec.rejection import (
     greedy_accept,
+    greedy_accept_row,
     inverse_cdf,
     reference_greedy_accept,
     reference_rejection_sample,
@@ -31,6 +32,7 @@ def test_greedy_longest_prefix_per_sequence():
         n = int(num[b])
         want = reference_greedy_accept(drafts[b, :n].tolist(), target[b, : n + 1].tolist())
         assert _rows(tokens, accepted)[b] == want
+        assert greedy_accept_row(drafts[b, :n].tolist(), target[b, : n + 1].tolist()) == want
 
 
 def test_greedy_padding_is_never_accepted():
