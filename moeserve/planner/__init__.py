@@ -11,7 +11,8 @@ torch, inside its functions).
     search.py      batches under TTFT / TPOT targets, ranking, node sweeps
     cli.py         ``moeserve plan``;  plot.py  sweeps as a PNG
     calibrate/     ``moeserve plan calibrate``: micro.py (bandwidth, GEMMs, experts, gloo),
-                   engine.py (the engine's own steps: host overheads, collectives)
+                   engine.py (the engine's own steps: host overheads, collectives),
+                   host.py (the CPU model, ISA and caches a profile was measured on)
 """
 
 from moeserve.planner.hardware import HardwareProfile, ProfileError, load_profile

@@ -4,7 +4,7 @@ calibrate this machine.
     moeserve plan --model deepseek-v3 --hardware h800 --nodes 4 --input-len 2000 \\
         --output-len 500 [--ttft-ms 800 --tpot-ms 45] [--json] [--top 5]
     moeserve plan --model ... --hardware ... --sweep-nodes 16,64,256,1024,8192
-    moeserve plan calibrate [--out FILE] [--threads N]
+    moeserve plan calibrate [--out FILE] [--threads N] [--refit EARLIER_PROFILE]
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     c = cal_sub.add_parser("calibrate", help="measure this machine, write a profile YAML")
     c.add_argument("--out", default="this-machine.yaml", help="profile file to write")
     c.add_argument("--threads", type=int, default=None, help="default: every usable CPU")
+    c.add_argument(
+        "--refit",
+        default=None,
+        metavar="PROFILE",
+        help="no measuring: fit an earlier calibration's raw measurements again",
+    )
     c.set_defaults(func=run_calibrate)
     return p
 
@@ -176,9 +182,12 @@ def parse_layout(text: str, mtp_acceptance: float) -> Layout:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from moeserve.planner.calibrate import build_profile, write_profile
+    from moeserve.planner.calibrate import build_profile, read_measurements, write_profile
 
-    raw = build_profile(args.threads, log=lambda m: print(m, file=sys.stderr, flush=True))
+    refit = read_measurements(args.refit) if args.refit else None
+    raw = build_profile(
+        args.threads, log=lambda m: print(m, file=sys.stderr, flush=True), refit=refit
+    )
     path = write_profile(raw, args.out)
     print(f"wrote {path}")
     return 0

@@ -3,9 +3,12 @@
 Pure functions over plain data (a :class:`ModelSpec`, a :class:`Layout`, a
 :class:`HardwareProfile`); the simulator adds them up per layer and per step.
 
-Compute: a GEMM of ``M`` rows reaches ``efficiency(M) = M / (M + m_half)`` of the device's
-large-GEMM rate and cannot go faster than its bytes allow:
-``t = max(flops / (peak * efficiency(M)), bytes / bandwidth) + op_overhead``.
+Compute: a GEMM of ``M`` rows reaches ``efficiency(M) = M / (M + m_half)`` of the peak of
+the path that runs it and cannot go faster than its bytes allow:
+``t = max(flops / (peak * efficiency(M)), bytes / bandwidth) + op_overhead``. A profile may
+give few rows their own path (``small_gemm_*``: moeserve's CPU kernels up to 128 rows, and
+the MoE kernel's expert blocks), with its own peak and ``m_half``; more rows take the
+device's large-GEMM rate (MKL).
 Communication: ``latency + per_peer * peers + bytes / bandwidth`` per collective, split into
 the part that stays inside a node and the part that crosses the NICs (shared by the node's
 ranks). Routed experts: the rows a rank receives and the number of *distinct* experts they
@@ -123,13 +126,26 @@ def gemm_efficiency(rank: Rank, m: float) -> float:
     return 1.0 if mh == 0 else m / (m + mh)
 
 
-def compute_time(rank: Rank, flops: float, nbytes: float, m: float, calls: float = 1) -> float:
+def gemm_flops_per_s(rank: Rank, m: float, m_half: float | None = None) -> float:
+    """FLOP/s of an ``m``-row GEMM on this rank: the path that runs it (a profile may give
+    few rows their own kernel and rate, ``small_gemm_*``) at ``m / (m + m_half)`` of its
+    peak."""
+    dev, dt = rank.hw.device, rank.gemm_dtype
+    if dt == rank.hw.software.compute_dtype:  # the dtype the few-row path was measured at
+        peak, mh = dev.gemm_rate(dt, m)
+    else:
+        peak, mh = dev.flops_per_s(dt), dev.gemm_m_half
+    mh = mh if m_half is None else m_half
+    return peak / rank.share * (1.0 if mh == 0 else m / (m + mh))
+
+
+def compute_time(
+    rank: Rank, flops: float, nbytes: float, m: float, calls: float = 1, m_half: float | None = None
+) -> float:
     if flops == 0 and nbytes == 0:
         return 0.0
-    eff = gemm_efficiency(rank, max(m, 1e-9))
-    return max(flops / (rank.flops_per_s * eff), nbytes / rank.bytes_per_s) + calls * (
-        rank.op_overhead_s
-    )
+    rate = gemm_flops_per_s(rank, max(m, 1e-9), m_half)
+    return max(flops / rate, nbytes / rank.bytes_per_s) + calls * rank.op_overhead_s
 
 
 def gemm(rank: Rank, name: str, m: float, n: float, k: float, w_bytes: float | None = None):
@@ -171,7 +187,12 @@ def attention_prefill(rank: Rank, spec: ModelSpec, seqs: float, new: float, pref
     v = spec.v_head_dim if spec.is_mla else spec.head_dim
     flops = 2 * H_t * pairs * (qk + v)
     nbytes = seqs * (prefix + new) * H_t * (qk + v) * rank.abytes
-    return OpCost("attn_core", COMPUTE, flops, nbytes, compute_time(rank, flops, nbytes, new))
+    # per-head GEMMs with a short inner dimension, the score matrix written, masked,
+    # softmaxed and read again, and the copies around them: a calibrated fraction of the
+    # GEMM rate (moeserve's blocked CPU attention: ~0.1)
+    eff = rank.hw.device.prefill_attention_efficiency
+    t = compute_time(rank, flops / eff, nbytes / eff, new)
+    return OpCost("attn_core", COMPUTE, flops, nbytes, t)
 
 
 # -------------------------------------------------------------------------------- experts
@@ -216,9 +237,21 @@ def routed_experts(rank: Rank, spec: ModelSpec, tokens_ep: float, imbalance: flo
     flops = 2.0 * rows * 3 * D * F_local
     nbytes = active * 3 * D * F_local * rank.wbytes + rows * (2 * D + 2 * F_local) * rank.abytes
     # the grouped kernel (row sorting, gathers, many small GEMMs) reaches expert_efficiency
-    # of what one plain GEMM of the same work would
+    # of the peak of the path that runs its blocks (CPU: moeserve's MoE kernel, the few-row
+    # path, blocks of at most small_gemm_max_rows rows), and half of that at expert_m_half
+    # rows per expert where the profile gives it (the path's m_half otherwise): per-block
+    # gathers, SiLU and scatter, and the down projection's short inner dimension, make its
+    # rate grow with the rows differently from one plain GEMM's; its weights then stream at
+    # the plain rate (the calibration measures both)
     eff = rank.hw.device.expert_efficiency
-    t = compute_time(rank, flops / eff, nbytes / eff, rows / active)
+    m = rows / active
+    if rank.hw.device.small_gemm_max_rows:  # the MoE kernel splits groups into blocks
+        m = min(m, rank.hw.device.small_gemm_max_rows)
+    e_half = rank.hw.device.expert_m_half
+    # with its own rate curve the kernel streams the weights as any GEMM does; a bare factor
+    # (no curve) stands for the whole kernel, bytes included
+    b_eff = 1.0 if e_half is not None else eff
+    t = compute_time(rank, flops / eff, nbytes / b_eff, m, m_half=e_half)
     return OpCost("experts", COMPUTE, flops, nbytes, t)
 
 

@@ -40,6 +40,21 @@ class Device:
     memory_efficiency: float  # fraction of peak a weight stream reaches
     memory_gb: float
     cores: int  # CPU cores of the domain (GPUs: SMs); informs oversubscription
+    # a second GEMM path for few rows (moeserve's own CPU kernels: up to small_gemm_max_rows
+    # rows, and every expert block of the MoE kernel) with its own rate; 0: one path
+    small_gemm_max_rows: int = 0
+    small_gemm_tflops: float = 0.0  # peak of that path, at the compute dtype
+    small_gemm_m_half: float = 0.0
+    expert_m_half: float | None = None  # rows per expert at half the expert kernel's rate
+    # the prefill attention core (scores, mask, softmax, values, with its copies) against a
+    # plain GEMM of the same FLOPs at the same rows
+    prefill_attention_efficiency: float = 1.0
+
+    def gemm_rate(self, dtype: str, m: float) -> tuple[float, float]:
+        """(FLOP/s at many rows, half-rate rows) of the path that runs an ``m``-row GEMM."""
+        if self.small_gemm_max_rows and m <= self.small_gemm_max_rows:
+            return self.small_gemm_tflops * 1e12, self.small_gemm_m_half
+        return self.flops_per_s(dtype), self.gemm_m_half
 
     def __post_init__(self) -> None:
         if not self.matmul_tflops:
@@ -56,6 +71,16 @@ class Device:
             raise ProfileError(
                 f"device.expert_efficiency must be in (0, 2], got {self.expert_efficiency}"
             )
+        if not 0 < self.prefill_attention_efficiency <= 1:
+            raise ProfileError(
+                "device.prefill_attention_efficiency must be in (0, 1], got "
+                f"{self.prefill_attention_efficiency}"
+            )
+        if self.expert_m_half is not None:
+            _positive("device.expert_m_half", self.expert_m_half, zero_ok=True)
+        if self.small_gemm_max_rows:
+            _positive("device.small_gemm_tflops", self.small_gemm_tflops)
+            _positive("device.small_gemm_m_half", self.small_gemm_m_half, zero_ok=True)
         _positive("device.gemm_m_half", self.gemm_m_half, zero_ok=True)
         _positive("device.memory_bandwidth_gbs", self.memory_bandwidth_gbs)
         _positive("device.memory_gb", self.memory_gb)
@@ -171,6 +196,13 @@ _DEVICE = (
     "gemm_m_half",
     "expert_efficiency",
 )
+_DEVICE_OPTIONAL = (
+    "small_gemm_max_rows",
+    "small_gemm_tflops",
+    "small_gemm_m_half",
+    "expert_m_half",
+    "prefill_attention_efficiency",
+)
 _LINK = ("latency_us", "allreduce_latency_us", "per_peer_us", "bandwidth_gbs")
 _SOFTWARE = (
     "step_overhead_us",
@@ -239,6 +271,7 @@ def profile_from_dict(raw: Any, where: str = "<dict>") -> HardwareProfile:
                 dt: float(r.figure(tflops_raw, "device.matmul_tflops", dt)) for dt in tflops_raw
             },
             **{k: _num(r, dev, "device", k) for k in _DEVICE},
+            **{k: _num(r, dev, "device", k) for k in _DEVICE_OPTIONAL if k in dev},
         )
         links = {}
         for level in ("intra_node", "inter_node"):

@@ -9,10 +9,23 @@ import statistics
 import time
 
 from moeserve.planner.calibrate.engine import TINY
+from moeserve.planner.calibrate.host import cache_sizes, last_level_cache_mb
 
 GEMM_SHAPES = [(1024, 1024), (2816, 1024), (1024, 2816), (4096, 1024)]  # (N, K)
 GEMM_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-STREAM_BYTES = 256 << 20  # weight copies cycled per GEMM shape: far beyond any cache
+
+
+def stream_bytes() -> int:
+    """Bytes of weight copies to cycle so that none is still cached when its turn comes again:
+    3x the last-level cache, at least 256 MiB (a 300 MB L3 holds a 256 MiB set whole)."""
+    return max(256 << 20, int(3 * last_level_cache_mb(cache_sizes()) * 1e6))
+
+
+def _copies(n: int, k: int, total: int) -> list:
+    import torch
+
+    w = torch.randn(n, k)
+    return [w] + [w.clone() for _ in range(max(2, total // (4 * n * k)) - 1)]
 
 
 def _best(fn, repeats: int, min_time: float = 0.05) -> float:
@@ -37,11 +50,12 @@ def measure_gemms(threads: int) -> list[dict]:
 
     torch.set_num_threads(threads)
     rows = []
+    total = stream_bytes()
     with torch.inference_mode():
         for n, k in GEMM_SHAPES:
             # enough copies that the weights stream from memory, as a model's do (no copy is
             # still in the last-level cache when its turn comes again)
-            ws = [torch.randn(n, k) for _ in range(max(2, STREAM_BYTES // (4 * n * k)))]
+            ws = _copies(n, k, total)
             turn = iter(range(1 << 62))
             for m in GEMM_ROWS:
                 x = torch.randn(m, k)
@@ -64,13 +78,16 @@ def measure_bandwidth(threads: int) -> dict[str, float]:
     from moeserve.ops.linear import linear
 
     torch.set_num_threads(threads)
+    total = max(1 << 30, stream_bytes())
     with torch.inference_mode():
-        big = torch.ones(1 << 28)  # 1 GiB fp32
+        big = torch.ones(total // 4)
         t_sum = _best(big.sum, 3, 0.2)
         del big
-        w, x = torch.randn(16384, 4096), torch.randn(1, 4096)  # 256 MiB
-        t_gemv = _best(lambda: linear(x, w), 3, 0.2)
-    return {"read_gbs": (1 << 30) / t_sum / 1e9, "gemv_gbs": w.numel() * 4 / t_gemv / 1e9}
+        # 64 MiB weights cycled over 3x the last-level cache: a weight stream from memory
+        ws, x = _copies(4096, 4096, total), torch.randn(1, 4096)
+        turn = iter(range(1 << 62))
+        t_gemv = _best(lambda: linear(x, ws[next(turn) % len(ws)]), 3, 0.2)
+    return {"read_gbs": total / t_sum / 1e9, "gemv_gbs": 4096 * 4096 * 4 / t_gemv / 1e9}
 
 
 def fit_gemm(rows: list[dict], bytes_per_s: float, op_s: float) -> tuple[float, float]:
@@ -229,19 +246,22 @@ def measure_experts(threads: int) -> list[dict]:
     return rows
 
 
-def fit_expert_efficiency(rows: list[dict], profile) -> float:
-    """The factor that makes the cost model's routed-expert time (plus the shared expert's two
-    GEMMs, run in the same call here) match the measurements: the geometric mean of predicted
-    / measured at efficiency 1, in (0, 2]."""
+def fit_expert_efficiency(rows: list[dict], raw: dict) -> tuple[float, float]:
+    """(expert_efficiency, expert_m_half) that make the cost model's routed-expert time (plus
+    the shared expert's two GEMMs, another slot of the same kernel call here) match the
+    measurements: the MoE kernel's own rate curve ``eff * peak * m / (m + m_half)`` over rows
+    per expert, fitted by the median absolute log error on a grid (``raw``: the profile so
+    far, as YAML data)."""
+    import copy
     import math
 
     from moeserve.planner.cost_model import Rank, gemm, routed_experts
+    from moeserve.planner.hardware import profile_from_dict
     from moeserve.planner.layout import Layout
     from moeserve.planner.model_spec import spec_from_config
 
-    logs = []
-    for r in rows:
-        spec = spec_from_config(
+    specs = [
+        spec_from_config(
             {
                 **TINY,
                 "hidden_size": r["D"],
@@ -253,9 +273,102 @@ def fit_expert_efficiency(rows: list[dict], profile) -> float:
             },
             "experts",
         )
+        for r in rows
+    ]
+
+    def error(eff: float, mh: float) -> float:
+        r2 = copy.deepcopy(raw)
+        r2["device"]["expert_efficiency"] = {"value": eff, "source": "fit"}
+        r2["device"]["expert_m_half"] = {"value": mh, "source": "fit"}
+        profile = profile_from_dict(r2, "calibration")
         rank = Rank.of(profile, Layout())
-        T, D, F = r["tokens"], r["D"], r["F"]
-        pred = routed_experts(rank, spec, T).time_s
-        pred += gemm(rank, "shared", T, 2 * F, D).time_s + gemm(rank, "shared", T, D, F).time_s
-        logs.append(math.log(pred / r["seconds"]))
-    return min(2.0, math.exp(sum(logs) / len(logs)))
+        errs = []
+        for r, spec in zip(rows, specs):
+            T, D, F = r["tokens"], r["D"], r["F"]
+            pred = routed_experts(rank, spec, T).time_s
+            # the shared slot: T rows in blocks of the few-row path (the same kernel)
+            m = min(T, profile.device.small_gemm_max_rows or T)
+            for n, k in ((2 * F, D), (D, F)):
+                pred += gemm(rank, "shared", m, n, k).time_s * T / m
+            errs.append(abs(math.log(pred / r["seconds"])))
+        return statistics.median(errs) + max(errs) / 4  # the median, and no count far off
+
+    best = (float("inf"), 1.0, 0.0)
+    for eff in [0.3 + 0.05 * i for i in range(35)]:
+        for mh in [0.0] + [2 ** (i / 2) for i in range(0, 15)]:
+            e = error(eff, mh)
+            if e < best[0]:
+                best = (e, eff, mh)
+    return best[1], best[2]
+
+
+# ------------------------------------------------------------------ prefill attention
+
+# the benchmark model's MLA shapes (heads, latent, rope, nope, value dims)
+ATTN_SHAPE = dict(H=16, C=256, R=32, N=64, V=64)
+ATTN_TOKENS = [128, 512, 1024]
+
+
+def measure_prefill_attention(threads: int) -> list[dict]:
+    """Seconds of the engine's naive MLA prefill of one fresh prompt of L tokens
+    (``layers.mla.MLAttention.forward_naive``: ``kv_b_proj`` expansion, key and query
+    concatenation, the blocked causal attention of ``ops/prefill_attention.py``), the
+    projections around it excluded."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from moeserve.layers.mla import MLAttention
+    from moeserve.ops.linear import linear
+
+    torch.set_num_threads(threads)
+    H, C, R, N, V = (ATTN_SHAPE[k] for k in ("H", "C", "R", "N", "V"))
+    w = torch.randn(H * (N + V), C) * 0.05
+    layer = SimpleNamespace(
+        H=H, C=C, R=R, N=N, V=V, scale=1 / math.sqrt(N + R), kv_b_proj=lambda x: linear(x, w)
+    )
+    rows = []
+    with torch.inference_mode():
+        for L in ATTN_TOKENS:
+            q = torch.randn(L, H, N + R)
+            q_nope, q_pe = q.split([N, R], dim=-1)
+            ctx = torch.randn(L, C + R)
+            args = (layer, q_nope, q_pe, ctx)
+            t = _best(lambda args=args: MLAttention.forward_naive(*args), 3, 0.1)
+            rows.append(dict(tokens=L, seconds=t, **ATTN_SHAPE))
+    return rows
+
+
+def fit_attention_efficiency(rows: list[dict], profile) -> float:
+    """The fraction of the GEMM path's rate at which the prefill attention core runs (its
+    softmax, masking, copies and small per-head GEMMs included): for each prompt length, the
+    cost model's core time at efficiency 1 over the measured time less its ``kv_b``
+    expansion GEMM; the geometric mean, in (0, 1]."""
+    import math
+
+    from moeserve.planner.cost_model import Rank, attention_prefill, gemm
+    from moeserve.planner.layout import Layout
+    from moeserve.planner.model_spec import spec_from_config
+
+    logs = []
+    for r in rows:
+        spec = spec_from_config(
+            {
+                **TINY,
+                "num_attention_heads": r["H"],
+                "num_key_value_heads": r["H"],
+                "kv_lora_rank": r["C"],
+                "qk_rope_head_dim": r["R"],
+                "qk_nope_head_dim": r["N"],
+                "v_head_dim": r["V"],
+            },
+            "attention",
+        )
+        rank = Rank.of(profile, Layout())
+        L = r["tokens"]
+        core = attention_prefill(rank, spec, 1, L, 0).time_s
+        kv_b = gemm(rank, "kv_b", L, r["H"] * (r["N"] + r["V"]), r["C"]).time_s
+        rest = max(r["seconds"] - kv_b, 1e-9)
+        logs.append(math.log(core / rest))
+    return min(1.0, math.exp(sum(logs) / len(logs)))

@@ -206,3 +206,92 @@ def test_fp8_weights_run_at_the_fp8_rate(profile):
     assert Rank.of(h800, Layout()).gemm_dtype == "fp8"
     assert Rank.of(h800, Layout(), weight_dtype="bf16").gemm_dtype == "bf16"
     assert Rank.of(profile, Layout(), weight_dtype="int8").gemm_dtype == "fp32"  # weight-only
+
+
+def _few_row_profile(raw_profile, expert_m_half=None):
+    """A few-row path up to 4 rows at 0.5 GFLOP/s, half of it at 2 rows; large GEMMs at
+    1 GFLOP/s, half at 8 rows; memory fast enough that only compute counts unless raised."""
+    from moeserve.planner.hardware import profile_from_dict
+
+    dev = raw_profile["device"]
+    dev["gemm_m_half"]["value"] = 8
+    dev["memory_bandwidth_gbs"]["value"] = 1e6
+    dev["small_gemm_max_rows"] = {"value": 4, "source": "assumption: test"}
+    dev["small_gemm_tflops"] = {"value": 0.5e-3, "source": "assumption: test"}
+    dev["small_gemm_m_half"] = {"value": 2, "source": "assumption: test"}
+    if expert_m_half is not None:
+        dev["expert_efficiency"]["value"] = 0.5
+        dev["expert_m_half"] = {"value": expert_m_half, "source": "assumption: test"}
+    return profile_from_dict(raw_profile)
+
+
+def test_few_rows_take_their_own_gemm_path(raw_profile):
+    rank = Rank.of(_few_row_profile(raw_profile), Layout())
+    # 2 rows: the few-row path, 0.5 GFLOP/s * 2 / (2 + 2)
+    op = cm.gemm(rank, "x", 2, 100, 100)
+    assert ns(op.time_s) == pytest.approx(2 * 2 * 100 * 100 / 0.25, rel=1e-3)
+    # 8 rows: beyond the path's 4, the large-GEMM rate 1 GFLOP/s * 8 / (8 + 8)
+    op = cm.gemm(rank, "x", 8, 100, 100)
+    assert ns(op.time_s) == pytest.approx(2 * 8 * 100 * 100 / 0.5, rel=1e-3)
+    # a weight dtype the profile did not measure the path at takes the large-GEMM rate
+    bf16 = Rank.of(rank.hw, Layout(), weight_dtype="bf16", compute_dtype="bf16")
+    assert ns(cm.gemm(bf16, "x", 2, 100, 100).time_s) == pytest.approx(
+        2 * 2 * 100 * 100 / (1.0 * 2 / (2 + 8)), rel=1e-3
+    )
+
+
+def test_expert_kernel_rate_curve(raw_profile, tiny):
+    # tiny: 4 experts top-2, D 8, F 4; one token hits 2 experts with one row each
+    rank = Rank.of(_few_row_profile(raw_profile, expert_m_half=1), Layout())
+    op = cm.routed_experts(rank, tiny, tokens_ep=1)
+    assert op.flops == 2 * 2 * 3 * 8 * 4
+    # 1 row per expert on the few-row path: 0.5 (efficiency) * 0.5 GFLOP/s * 1 / (1 + 1)
+    assert ns(op.time_s) == pytest.approx(op.flops / (0.5 * 0.5 * 0.5), rel=1e-3)
+
+
+def test_expert_kernel_with_a_curve_streams_at_the_plain_rate(raw_profile, tiny):
+    from moeserve.planner.hardware import profile_from_dict
+
+    _few_row_profile(raw_profile, expert_m_half=1)
+    raw_profile["device"]["memory_bandwidth_gbs"]["value"] = 1e-3  # bytes bound: 1 MB/s
+    prof = profile_from_dict(raw_profile)
+    op = cm.routed_experts(Rank.of(prof, Layout()), tiny, tokens_ep=1)
+    # bytes at 1 MB/s, not divided by the efficiency 0.5 (the curve is the kernel's compute)
+    assert op.time_s == pytest.approx(op.bytes / 1e6, rel=1e-6)
+    # without a curve the bare efficiency stands for the whole kernel, bytes included
+    del raw_profile["device"]["expert_m_half"]
+    prof = profile_from_dict(raw_profile)
+    op2 = cm.routed_experts(Rank.of(prof, Layout()), tiny, tokens_ep=1)
+    assert op2.time_s == pytest.approx(op.bytes / 1e6 / 0.5, rel=1e-6)
+
+
+def test_expert_blocks_are_capped_at_the_few_row_limit(raw_profile, tiny):
+    rank = Rank.of(_few_row_profile(raw_profile, expert_m_half=0), Layout())
+    # 100 tokens x top-2 over 4 experts: 50 rows each, run in blocks of at most 4 rows on the
+    # few-row path at 0.5 (efficiency) * 0.5 GFLOP/s (m_half 0: full rate)
+    op = cm.routed_experts(rank, tiny, tokens_ep=100)
+    assert ns(op.time_s) == pytest.approx(op.flops / 0.25, rel=1e-3)
+
+
+def test_prefill_attention_efficiency(raw_profile, tiny):
+    from moeserve.planner.hardware import profile_from_dict
+
+    raw_profile["device"]["memory_bandwidth_gbs"]["value"] = 1e6  # compute bound
+    base = cm.attention_prefill(Rank.of(profile_from_dict(raw_profile), Layout()), tiny, 1, 5, 0)
+    # 15 causal pairs, 2 heads, qk 4 + v 2: 360 FLOPs at 1 GFLOP/s
+    assert base.flops == 360 and ns(base.time_s) == pytest.approx(360, rel=1e-3)
+    raw_profile["device"]["prefill_attention_efficiency"] = {"value": 0.1, "source": "test"}
+    op = cm.attention_prefill(Rank.of(profile_from_dict(raw_profile), Layout()), tiny, 1, 5, 0)
+    assert op.flops == 360 and ns(op.time_s) == pytest.approx(3600, rel=1e-3)
+    # decode attention is another kernel: unchanged
+    rank = Rank.of(profile_from_dict(raw_profile), Layout())
+    assert cm.attention_decode(rank, tiny, 2, 1, 10).time_s == pytest.approx(
+        cm.attention_decode(Rank.of(base_profile(raw_profile), Layout()), tiny, 2, 1, 10).time_s
+    )
+
+
+def base_profile(raw):
+    from moeserve.planner.hardware import profile_from_dict
+
+    raw = dict(raw, device={k: v for k, v in raw["device"].items() if "prefill_attention" not in k})
+    return profile_from_dict(raw)

@@ -86,3 +86,24 @@ def test_invalid_yaml_and_unknown_names(tmp_path):
     top.write_text("- 1\n")
     with pytest.raises(ProfileError, match="top level must be a mapping"):
         load_profile(top)
+
+
+def test_optional_few_row_and_expert_curve_figures(raw_profile):
+    dev = raw_profile["device"]
+    p = profile_from_dict(raw_profile)
+    assert p.device.small_gemm_max_rows == 0 and p.device.expert_m_half is None
+    assert p.device.gemm_rate("fp32", 1) == (p.device.flops_per_s("fp32"), 0)
+    dev["small_gemm_max_rows"] = {"value": 128, "source": "assumption: test"}
+    dev["small_gemm_tflops"] = {"value": 0.2, "source": "assumption: test"}
+    dev["small_gemm_m_half"] = {"value": 19, "source": "assumption: test"}
+    dev["expert_m_half"] = {"value": 8, "source": "assumption: test"}
+    p = profile_from_dict(raw_profile)
+    assert p.device.gemm_rate("fp32", 128) == (0.2e12, 19)
+    assert p.device.gemm_rate("fp32", 129) == (p.device.flops_per_s("fp32"), 0)
+    assert p.device.expert_m_half == 8
+    dev["small_gemm_tflops"]["value"] = 0
+    with pytest.raises(ProfileError, match="small_gemm_tflops"):
+        profile_from_dict(raw_profile)
+    dev["small_gemm_tflops"] = {"value": 0.2}
+    with pytest.raises(ProfileError, match="no source"):
+        profile_from_dict(raw_profile)
