@@ -94,20 +94,26 @@ def test_absorbed_decode_equals_naive_attention():
 
 
 def _random_mla(int8: bool) -> MLAttention:
-    from moeserve.quant.apply import quantize_int8
-
     raw = {**DEEPSEEK_KW, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
     cfg = ModelConfig.from_hf(raw)
     torch.manual_seed(0)
     attn = MLAttention(cfg, RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, 256))
-    dense = {n: torch.randn(p.shape) * 0.2 for n, p in attn.named_parameters()}
-    if int8:
-        quantize_int8(attn)
-    for name, t in dense.items():
-        mod_name, _, attr = name.rpartition(".")
-        getattr(attn.get_submodule(mod_name), attr).copy_(t)
+    _fill_random(attn, 0.2, int8)
     attn.process_weights_after_loading()
     return attn
+
+
+def _fill_random(module: torch.nn.Module, scale: float, int8: bool) -> None:
+    """Random weights (``scale`` x normal) loaded into ``module``, int8-quantized first when
+    asked, as a checkpoint's would be."""
+    from moeserve.quant.apply import quantize_int8
+
+    dense = {n: torch.randn(p.shape) * scale for n, p in module.named_parameters()}
+    if int8:
+        quantize_int8(module)
+    for name, t in dense.items():
+        mod_name, _, attr = name.rpartition(".")
+        getattr(module.get_submodule(mod_name), attr).copy_(t)
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -153,7 +159,6 @@ def test_moe_decode_calls_equal_the_torch_path(T, int8):
     combine) give the same output and expert counts, bit for bit, as the torch path."""
     from moeserve.layers.moe_block import MoEBlock, MoEDecodeCalls
     from moeserve.ops.cpu import kernels
-    from moeserve.quant.apply import quantize_int8
 
     if not kernels.available():
         pytest.skip("no CPU kernels here")
@@ -162,12 +167,7 @@ def test_moe_decode_calls_equal_the_torch_path(T, int8):
     torch.manual_seed(0)
     block = MoEBlock(cfg)
     assert block.shared_slot is not None  # DeepSeek's shared expert runs as one more slot
-    dense = {n: torch.randn(p.shape) * 0.3 for n, p in block.named_parameters()}
-    if int8:
-        quantize_int8(block)
-    for name, t in dense.items():
-        mod_name, _, attr = name.rpartition(".")
-        getattr(block.get_submodule(mod_name), attr).copy_(t)
+    _fill_random(block, 0.3, int8)
     outs, counts = [], []
     for fast in (True, False):
         block._decode_calls = None if fast else False
