@@ -325,6 +325,8 @@ class MoEDecodeCalls:
             self.counts.data_ptr(), self.extra,
         )  # fmt: skip
         G = self.sort_fn(*self.sort_args, x_TD.data_ptr(), x_TD.stride(0), *self.sort_out)
+        if G < 0:  # the routing kernel only writes ids in [0, E): a broken invariant
+            raise RuntimeError(f"MoE decode: an expert id outside [0, {self.num_slots})")
         if self.int8_fn is not None:
             self.int8_fn(G, *self.int8_meta, *self.int8_w, *self.int8_out, self.wide)
             y_RD = self.y_sorted
