@@ -309,14 +309,9 @@ class MoEDecodeCalls:
     def __call__(self, x_TD: torch.Tensor) -> torch.Tensor | None:
         """The routed (and folded shared) experts' output ``[T, D]`` for few fp32 rows, the
         choices counted; None, having done nothing, where the kernels do not take them."""
-        T = x_TD.shape[0]
-        if not (
-            0 < T <= self.max_rows
-            and x_TD.dtype == torch.float32
-            and x_TD.dim() == 2
-            and x_TD.stride(1) == 1
-        ):
+        if not kernels.few_rows(x_TD, self.max_rows):
             return None
+        T = x_TD.shape[0]
         if T != self.T:
             self._prepare(T)
         self.gate(x_TD, self.logits)

@@ -53,15 +53,9 @@ class RMSNorm(nn.Module):
             k = self._bind()  # first call, or the weight was replaced or moved
             if k is None:
                 return None
-        M, D = x.shape[0], x.shape[-1]
-        if not (
-            0 < M <= kernels.MAX_ROWS
-            and x.dim() == 2
-            and x.dtype == torch.float32
-            and x.stride(1) == 1
-            and x.device.type == "cpu"
-        ):
+        if not kernels.few_rows(x):
             return None
+        M, D = x.shape
         if out is None:
             out = torch.empty(M, D, dtype=torch.float32)
         k[0](M, D, x.data_ptr(), x.stride(0), k[2], self.eps, out.data_ptr(), out.stride(0))

@@ -58,13 +58,7 @@ class BoundLinear:
                 self.w_args = (q.q.data_ptr(), q.q.stride(0), q.scale.data_ptr())
                 self.wide = int(int8_kernels.wide())
                 self.pointers = ((q.q, q.q.data_ptr()), (q.scale, q.scale.data_ptr()))
-        elif (
-            kernels.available()
-            and w.dim() == 2
-            and w.dtype == torch.float32
-            and w.device.type == "cpu"
-            and w.stride(1) == 1
-        ):
+        elif w.device.type == "cpu" and kernels.weight_ok(w):
             self.fn = kernels._library().moeserve_gemm_nt_small
             self.max_rows = kernels.MAX_ROWS
             self.w_args = (w.data_ptr(), w.stride(0))
@@ -73,16 +67,10 @@ class BoundLinear:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K]`` -> ``[M, N]`` (into ``out``, unit-stride rows, when given)."""
-        M = x.shape[0]
-        if not (
-            self.fn is not None
-            and 0 < M <= self.max_rows
-            and x.dtype == torch.float32
-            and x.dim() == 2
-            and x.stride(1) == 1
-        ):
+        if self.fn is None or not kernels.few_rows(x, self.max_rows):
             y = linear(x, self.w)
             return y if out is None else out.copy_(y)
+        M = x.shape[0]
         if out is None:
             out = torch.empty(M, self.N, dtype=torch.float32)
         self.fn(

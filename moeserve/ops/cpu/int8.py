@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.build import I64, INT, PTR
-from moeserve.ops.cpu.kernels import moe_call_buffers, wide  # one ISA choice for fp32 and int8
+from moeserve.ops.cpu.kernels import few_rows, moe_call_buffers, wide  # shared with fp32
 from moeserve.quant.int8 import Int8Tensor
 
 _SOURCE = Path(__file__).with_name("int8.c")
@@ -86,15 +86,7 @@ def _rows_ok(w: Int8Tensor) -> bool:
 
 def usable(x: torch.Tensor, w: Int8Tensor) -> bool:
     """Whether :func:`gemm_nt` runs the kernel for these operands."""
-    return (
-        x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.stride(1) == 1
-        and _rows_ok(w)
-        and available()
-    )
+    return few_rows(x, MAX_ROWS) and _rows_ok(w) and available()
 
 
 def gemm_nt(

@@ -67,19 +67,26 @@ def _wide(avx512: bool | None) -> int:
     return int(wide() if avx512 is None else avx512)
 
 
-def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``gemm_nt(x, w)`` runs the kernel for these operands."""
+def few_rows(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """Whether ``x`` is what the row kernels here (and the int8 ones, with their ``max_rows``)
+    take: ``[M, K]`` fp32 on the CPU, 0 < M <= ``max_rows``, unit-stride rows."""
     return (
         x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        and 0 < x.shape[0] <= max_rows
         and x.dtype == torch.float32
-        and w.dtype == torch.float32
         and x.device.type == "cpu"
-        and w.dim() == 2
-        and w.stride(1) == 1
         and x.stride(1) == 1
-        and available()
     )
+
+
+def weight_ok(w: torch.Tensor) -> bool:
+    """Whether the fp32 GEMM kernels take ``w`` as their ``[N, K]`` weight (and are built)."""
+    return w.dim() == 2 and w.dtype == torch.float32 and w.stride(1) == 1 and available()
+
+
+def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``gemm_nt(x, w)`` runs the kernel for these operands."""
+    return few_rows(x) and weight_ok(w)
 
 
 def gemm_nt(
@@ -191,12 +198,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     D = x.shape[-1]
     x2 = x.reshape(-1, D) if x.dim() != 2 else x
     if not (
-        x2.dtype == weight.dtype == torch.float32
-        and x2.device.type == "cpu"
-        and 0 < x2.shape[0] <= MAX_ROWS
-        and x2.stride(-1) == 1
-        and weight.is_contiguous()
-        and available()
+        few_rows(x2) and weight.dtype == torch.float32 and weight.is_contiguous() and available()
     ):
         return None
     y = torch.empty(x2.shape, dtype=torch.float32)
