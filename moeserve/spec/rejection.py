@@ -1,4 +1,5 @@
-"""The accept/reject rule of speculative decoding, as pure functions over tensors.
+"""The accept/reject rule of speculative decoding, as pure functions (greedy over one
+sequence's lists, sampling over tensors of a batch).
 
 A sequence proposes ``n_b <= K`` draft tokens ``d_1 .. d_n``; one target forward gives the
 target's distribution at ``n + 1`` positions: ``p_0`` (for ``d_1``), ..., ``p_{n-1}`` (for
@@ -19,7 +20,8 @@ exactly as tokens drawn one by one from the target.
 
 Every sequence accepts its own count ``a_b`` and emits ``a_b + 1`` tokens. Randomness comes in
 as arguments (uniforms), so the functions are deterministic and the caller decides which
-generator each row draws from. ``reference_*`` do the same row by row (the test oracle).
+generator each row draws from. ``reference_rejection_sample`` does the same row by row (the
+test oracle).
 
 Shape suffixes: B sequences, K the most drafts of any sequence (rows padded), K1 = K + 1,
 V vocabulary.
@@ -57,28 +59,11 @@ def _emitted(draft_ids_BK: torch.Tensor, accepted_B: torch.Tensor, last_B: torch
     return out_BK1
 
 
-def greedy_accept(
-    draft_ids_BK: torch.Tensor, num_drafts_B: torch.Tensor, target_ids_BK1: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest-prefix acceptance against the target's greedy tokens.
-
-    Returns ``accepted_B`` (drafts kept, ``0 <= a_b <= n_b``) and ``tokens_BK1``: row ``b``
-    emits ``tokens_BK1[b, :a_b + 1]`` (the kept drafts, then ``target_ids[b, a_b]``); the rest
-    is -1.
-    """
-    _check(draft_ids_BK, num_drafts_B, target_ids_BK1)
-    K = draft_ids_BK.shape[1]
-    j_K = torch.arange(K, device=draft_ids_BK.device)
-    match_BK = (draft_ids_BK == target_ids_BK1[:, :K]) & (j_K[None, :] < num_drafts_B[:, None])
-    accepted_B = _leading_true(match_BK)
-    last_B = target_ids_BK1.gather(1, accepted_B[:, None]).squeeze(1)
-    return accepted_B, _emitted(draft_ids_BK, accepted_B, last_B)
-
-
 def greedy_accept_row(drafts: list[int], target_ids: list[int]) -> list[int]:
-    """:func:`greedy_accept` for one sequence on plain lists, the form ``verify`` runs: at the
-    batch sizes a CPU verifies, a few list compares cost less than a dozen tiny tensor ops.
-    Returns the tokens emitted: the accepted drafts, then ``target_ids[accepted]``."""
+    """Longest-prefix acceptance of one sequence's ``n`` drafts against the target's greedy
+    tokens at its ``n + 1`` rows. Returns the tokens emitted: the accepted drafts, then
+    ``target_ids[accepted]`` (the correction, or the bonus). Plain lists: at the batch sizes a
+    CPU verifies, a few compares cost less than a dozen tiny tensor ops per step."""
     a = 0
     while a < len(drafts) and drafts[a] == target_ids[a]:
         a += 1
@@ -99,8 +84,9 @@ def rejection_sample(
     ``target_probs_BK1V[b, j]`` the target's at the same position, both after the same
     penalties, temperature, top-k/top-p (rows need not sum to 1). ``u_accept_BK`` and
     ``u_final_B`` are U[0, 1) draws: ``d_{j+1}`` is kept iff ``u * q(d) < p(d)``; the final
-    token is the inverse CDF of its distribution at ``u_final``. Returns what
-    :func:`greedy_accept` returns.
+    token is the inverse CDF of its distribution at ``u_final``. Returns ``accepted_B`` (drafts
+    kept, ``0 <= a_b <= n_b``) and ``tokens_BK1``: row ``b`` emits ``tokens_BK1[b, :a_b + 1]``
+    (the kept drafts, then the final token); the rest is -1.
     """
     _check(draft_ids_BK, num_drafts_B, target_probs_BK1V)
     B, K = draft_ids_BK.shape
@@ -150,16 +136,6 @@ def inverse_cdf(probs_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------
 # Per-row reference (test oracle)
-
-
-def reference_greedy_accept(drafts: list[int], target_ids: list[int]) -> list[int]:
-    """The tokens one sequence emits: matching drafts, then the target's token."""
-    out = []
-    for j, d in enumerate(drafts):
-        if d != target_ids[j]:
-            break
-        out.append(d)
-    return out + [target_ids[len(out)]]
 
 
 def reference_rejection_sample(

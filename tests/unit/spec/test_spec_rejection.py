@@ -7,10 +7,8 @@ import pytest
 import torch
 
 from moeserve.spec.rejection import (
-    greedy_accept,
     greedy_accept_row,
     inverse_cdf,
-    reference_greedy_accept,
     reference_rejection_sample,
     rejection_sample,
 )
@@ -21,26 +19,16 @@ def _rows(tokens_BK1: torch.Tensor, accepted_B: torch.Tensor) -> list[list[int]]
 
 
 def test_greedy_longest_prefix_per_sequence():
-    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [9, 9, 9], [1, 0, 0]])
-    num = torch.tensor([3, 3, 3, 0, 1])
-    target = torch.tensor([[5, 6, 7, 8], [5, 2, 7, 8], [4, 6, 7, 8], [3, 0, 0, 0], [1, 4, 0, 0]])
-    accepted, tokens = greedy_accept(drafts, num, target)
-    assert accepted.tolist() == [3, 1, 0, 0, 1]
-    assert _rows(tokens, accepted) == [[5, 6, 7, 8], [5, 2], [4], [3], [1, 4]]
-    assert tokens[1, 2:].tolist() == [-1, -1]
-    for b in range(5):
-        n = int(num[b])
-        want = reference_greedy_accept(drafts[b, :n].tolist(), target[b, : n + 1].tolist())
-        assert _rows(tokens, accepted)[b] == want
-        assert greedy_accept_row(drafts[b, :n].tolist(), target[b, : n + 1].tolist()) == want
+    drafts = [[5, 6, 7], [5, 6, 7], [5, 6, 7], [], [1]]
+    target = [[5, 6, 7, 8], [5, 2, 7, 8], [4, 6, 7, 8], [3], [1, 4]]
+    got = [greedy_accept_row(d, t) for d, t in zip(drafts, target, strict=True)]
+    assert got == [[5, 6, 7, 8], [5, 2], [4], [3], [1, 4]]
 
 
-def test_greedy_padding_is_never_accepted():
-    # a padded draft that happens to equal the target must not count
-    accepted, tokens = greedy_accept(
-        torch.tensor([[3, 4]]), torch.tensor([1]), torch.tensor([[3, 4, 5]])
-    )
-    assert accepted.tolist() == [1] and tokens[0, :2].tolist() == [3, 4]
+def test_greedy_never_reads_past_the_drafts():
+    # the target row after the last draft is the bonus, whatever it equals
+    assert greedy_accept_row([3], [3, 4, 5]) == [3, 4]
+    assert greedy_accept_row([3, 4], [3, 4, 4]) == [3, 4, 4]
 
 
 def test_rejection_sample_matches_reference():
@@ -84,10 +72,15 @@ def test_identical_distributions_accept_everything():
 
 
 def test_bad_shapes_are_reported():
+    q, u = torch.ones(1, 2, 4), torch.zeros(1, 2)
     with pytest.raises(ValueError, match="num_drafts must lie"):
-        greedy_accept(torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]), torch.zeros(1, 3))
+        rejection_sample(
+            torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]), q, torch.ones(1, 3, 4), u, u[0]
+        )
     with pytest.raises(ValueError, match="expected draft_ids"):
-        greedy_accept(torch.zeros(1, 2, dtype=torch.long), torch.tensor([1]), torch.zeros(1, 2))
+        rejection_sample(
+            torch.zeros(1, 2, dtype=torch.long), torch.tensor([1]), q, torch.ones(1, 2, 4), u, u[0]
+        )
 
 
 # --------------------------------------------------------------------------------------------
