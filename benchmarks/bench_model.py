@@ -22,6 +22,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from moeserve.config import default_cache_dir
 from moeserve.demo import GENERATION_CONFIG, TOKENIZER_CONFIG, TOKENIZER_PATH
 from moeserve.models.synthetic import write_random_deepseek
@@ -60,6 +62,17 @@ BENCH_CONFIG = dict(
     eos_token_id=1,
 )
 NAME = "bench-deepseek-1.2b-v1"
+
+
+PROMPT_LEN = 32  # the decode benchmarks' prompt length
+
+
+def bench_prompts(seed: int, n: int, vocab: int, length: int = PROMPT_LEN) -> list[list[int]]:
+    """The decode benchmarks' random prompts: ``n`` of ``length`` ids in ``[2, vocab)`` drawn
+    from seed ``seed``. ``offline_throughput.py`` decodes batch ``b`` from seed ``b`` (plus its
+    ``--prompt-seed-offset``), and ``fit_mtp.py`` fits the MTP layer on those same prompts."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
 def write_bench_tokenizer(out: Path, vocab_size: int = BENCH_CONFIG["vocab_size"]) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import BENCH_CONFIG, bench_model_path  # noqa: E402
+from bench_model import BENCH_CONFIG, PROMPT_LEN, bench_model_path, bench_prompts  # noqa: E402
 
 from moeserve import LLM, SamplingParams  # noqa: E402
 from moeserve.models.synthetic import write_random_deepseek  # noqa: E402
@@ -53,7 +53,6 @@ TINY_CONFIG = {
     "v_head_dim": 16,
     "max_position_embeddings": 1024,
 }
-PROMPT_LEN = 32
 
 # (row label, the qualified names of the functions whose cumulative time it is)
 MODULES = [
@@ -72,10 +71,8 @@ MODULES = [
 def start_requests(llm: LLM, batch: int, new_tokens: int, vocab: int, tag: str) -> None:
     """Add ``batch`` greedy requests and run steps until every prompt is prefilled."""
     engine = llm.engine
-    g = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    for b in range(batch):
-        ids = torch.randint(2, vocab, (PROMPT_LEN,), generator=g).tolist()
+    for b, ids in enumerate(bench_prompts(batch, batch, vocab)):
         engine.add_request(f"{tag}-{b}", ids, params)
     seen: set[str] = set()
     while len(seen) < batch:

@@ -42,25 +42,25 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import BENCH_CONFIG, NAME, bench_model_path  # noqa: E402
+from bench_model import (  # noqa: E402
+    BENCH_CONFIG,
+    NAME,
+    PROMPT_LEN,
+    bench_model_path,
+    bench_prompts,
+)
 
 from moeserve import LLM, SamplingParams  # noqa: E402
 from moeserve.config import default_cache_dir  # noqa: E402
 from moeserve.layers.attention_meta import AttentionMetadata  # noqa: E402
 from moeserve.quant.int8 import dense  # noqa: E402
 
-PROMPT_LEN = 32  # as benchmarks/offline_throughput.py
 
-
-def bench_prompts(groups: list[tuple[int, int]]) -> list[list[int]]:
-    """The random prompts offline_throughput.py decodes: ``n`` drawn from seed ``seed``, for
-    each ``(seed, n)``."""
+def fit_prompts(groups: list[tuple[int, int]]) -> list[list[int]]:
+    """The prompts offline_throughput.py decodes (``bench_model.bench_prompts``): ``n`` from
+    seed ``seed``, for each ``(seed, n)``."""
     vocab = BENCH_CONFIG["vocab_size"]
-    prompts = []
-    for seed, n in groups:
-        g = torch.Generator().manual_seed(seed)
-        prompts += [torch.randint(2, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(n)]
-    return prompts
+    return [p for seed, n in groups for p in bench_prompts(seed, n, vocab)]
 
 
 def continuations(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -416,8 +416,8 @@ def main() -> None:
     )
     groups = [tuple(int(x) for x in g.split(":")) for g in args.train_seeds.split(",")]
     held = [tuple(int(x) for x in g.split(":")) for g in args.held_out_seeds.split(",")]
-    train_seqs = continuations(llm, bench_prompts(groups), args.new_tokens)
-    held_out = continuations(llm, bench_prompts(held), args.new_tokens)
+    train_seqs = continuations(llm, fit_prompts(groups), args.new_tokens)
+    held_out = continuations(llm, fit_prompts(held), args.new_tokens)
     print(f"{len(train_seqs)} continuations in {time.perf_counter() - t0:.0f}s", flush=True)
     data = hidden_and_targets(llm, train_seqs)
     test = hidden_and_targets(llm, held_out)

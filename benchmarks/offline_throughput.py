@@ -26,12 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import BENCH_CONFIG, bench_model_path  # noqa: E402
+from bench_model import BENCH_CONFIG, PROMPT_LEN, bench_model_path, bench_prompts  # noqa: E402
 from roofline import MachineProbe, decode_bytes_per_step, prefill_flops  # noqa: E402
 
 from moeserve import LLM, SamplingParams  # noqa: E402
 
-PROMPT_LEN = 32
 PROMPT_SEED_OFFSET = 0  # --prompt-seed-offset: batch b decodes the prompts of seed b + offset
 _ids = itertools.count()
 
@@ -43,10 +42,8 @@ def time_moeserve_decode(llm: LLM, batch: int, new_tokens: int, vocab: int, repe
 
 def _moeserve_decode_once(llm: LLM, batch: int, new_tokens: int, vocab: int) -> float:
     engine = llm.engine
-    g = torch.Generator().manual_seed(batch + PROMPT_SEED_OFFSET)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    for b in range(batch):
-        ids = torch.randint(2, vocab, (PROMPT_LEN,), generator=g).tolist()
+    for b, ids in enumerate(bench_prompts(batch + PROMPT_SEED_OFFSET, batch, vocab)):
         engine.add_request(f"bench-{batch}-{b}-{next(_ids)}", ids, params)
     produced: dict[str, int] = {}
     while len(produced) < batch or min(produced.values()) < 1:  # prefill every request
@@ -208,8 +205,7 @@ def hot_vocab_ids(llm: LLM, args, vocab: int) -> list[int]:
     stream: list[int] = []
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     for b in args.batches:
-        g = torch.Generator().manual_seed(b + PROMPT_SEED_OFFSET)
-        prompts = [torch.randint(2, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(b)]
+        prompts = bench_prompts(b + PROMPT_SEED_OFFSET, b, vocab)
         stream += [t for o in llm.generate(prompts, params) for t in o.outputs[0].token_ids]
     hot = most_frequent_ids(stream, args.hot_vocab, vocab)
     taken = set(hot)
