@@ -12,9 +12,7 @@ def server() -> RunningServer:
     """One server on the demo model for the e2e tests that do not stop or restrict it."""
     srv = start_server("--api-key", API_KEY, "--enable-debug-endpoints", "--max-num-seqs", "64")
     yield srv
-    code = srv.stop()
-    assert code == 0, srv.text()
-    assert not srv.engine_pids()
+    srv.stop_cleanly()
 
 
 @pytest.fixture()

@@ -56,6 +56,12 @@ class RunningServer:
     def text(self) -> str:
         return "".join(self.log)
 
+    def stop_cleanly(self) -> None:
+        """SIGTERM, then assert the server exited 0 and left no engine process behind."""
+        code = self.stop()
+        assert code == 0, self.text()
+        assert not self.engine_pids()
+
 
 def start_server(*args: str, timeout: float = 120.0, env: dict | None = None) -> RunningServer:
     """``moeserve serve --port 0 ARGS``; returns once /health answers 200."""
