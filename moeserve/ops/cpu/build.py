@@ -51,7 +51,9 @@ def load(source: Path) -> ctypes.CDLL | None:
         return None
     if not {"avx2", "fma"} <= cpu_flags():
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    # the headers beside the source are part of it (common.h)
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:12]
     path = Path(default_cache_dir()) / "kernels" / f"{source.stem}-{digest}.so"
     try:
         if not path.is_file():

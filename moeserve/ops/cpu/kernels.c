@@ -22,11 +22,16 @@
 #ifndef FP32_BODY
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+
+#include "common.h"
 
 #ifndef MIN_PREFETCH
 #define MIN_PREFETCH 2048 /* floats (8 KB); see prefetch_ahead */
 #endif
+/* the weight stream of an MoE job in token-row equivalents (balanced_first_job) */
+#define MOE_FIXED 8
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -486,28 +491,26 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
     const int64_t jobs13 = (2 * F + NJ - 1) / NJ, jobs2 = (D + NJ - 1) / NJ;
     const int64_t pf13 = prefetch_ahead(D), pf2 = prefetch_ahead(F);
     const int64_t pf13q = CAT(prefetch_ahead4, SFX)(D), pf2q = CAT(prefetch_ahead4, SFX)(F);
-    int64_t rows = 0;
-    for (int64_t g = 0; g < n_groups; g++) rows += count[g];
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int64_t job = 0; job < n_groups * jobs13; job++) {
+        /* contiguous shares of equal cost (balanced_first_job): each thread streams its own
+         * experts' weights, and the busiest experts do not all fall to one thread */
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t end13 = balanced_first_job(n_groups, count, jobs13, MOE_FIXED, t + 1, nt);
+        for (int64_t job = balanced_first_job(n_groups, count, jobs13, MOE_FIXED, t, nt);
+             job < end13; job++) {
             const int64_t g = job / jobs13, n0 = NJ * (job % jobs13);
             const int nw = 2 * F - n0 < NJ ? (int)(2 * F - n0) : NJ;
             const float *w0 = w13 + expert[g] * 2 * F * D + n0 * D;
             CAT(job_rows, SFX)(count[g], D, x + start[g] * D, D, w0, D, nw,
                                h + start[g] * 2 * F + n0, 2 * F, pf13, pf13q);
         }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            float *row = h + r * 2 * F;
-            for (int64_t f = 0; f < F; f++) {
-                const float gate = row[f];
-                row[f] = gate / (1.0f + expf(-gate)) * row[F + f];
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t job = 0; job < n_groups * jobs2; job++) {
+#pragma omp barrier
+        silu_mul_groups(n_groups, start, count, F, h, t, nt);
+#pragma omp barrier
+        const int64_t end2 = balanced_first_job(n_groups, count, jobs2, MOE_FIXED, t + 1, nt);
+        for (int64_t job = balanced_first_job(n_groups, count, jobs2, MOE_FIXED, t, nt);
+             job < end2; job++) {
             const int64_t g = job / jobs2, n0 = NJ * (job % jobs2);
             const int nw = D - n0 < NJ ? (int)(D - n0) : NJ;
             float *yg = y + start[g] * D + n0;

@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F_
 
 from moeserve.config import cpu_flags
 from moeserve.ops.cpu import build
@@ -24,6 +25,12 @@ _SOURCE = Path(__file__).with_name("kernels.c")
 # measured faster than MKL's GEMM up to 128 rows here (96-128 rows: AVX-512 2.0-2.9x, AVX2
 # 1.1-1.4x; docs/benchmarks.md, benchmarks/fp32_gemm.py)
 MAX_ROWS = 128
+# In one MoE call, an expert with at least this many rows (prefill: the folded shared expert
+# takes every token, a routed one T * top_k / E on average) runs as two MKL GEMMs instead,
+# whose packed GEMM beats the kernel from here on. Measured on the benchmark model's MoE
+# layer (2 threads, A/B in one process, docs/benchmarks.md "Prefill MoE"): 2048 tokens
+# 113 -> 152 GFLOP/s, 512 tokens +4%; 32 or 48 rows lose at 512.
+MKL_MIN_ROWS = 64
 
 
 @lru_cache(maxsize=1)
@@ -141,13 +148,16 @@ def moe_call_buffers(
     counts: list[int],
     weight_R: torch.Tensor,
     max_rows: int = MAX_ROWS,
+    starts: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a one-call MoE kernel (fp32 here, int8 in ``int8.py``) takes besides the weights:
     the groups' ``[expert, first row, rows]`` table ``[3, G]``, the routing weights in fp32,
     and the hidden ``[R, 2F]`` and output ``[R, D]`` buffers. An expert's rows beyond
     ``max_rows`` are split into near-equal groups of at most that many (prefill: the folded
-    shared expert takes every token), so G may exceed ``len(experts)``."""
-    starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    shared expert takes every token), so G may exceed ``len(experts)``. ``starts`` (default:
+    the groups back to back from row 0) lets the table leave rows out."""
+    if starts is None:
+        starts = list(itertools.accumulate(counts, initial=0))[:-1]
     if max(counts, default=0) > max_rows:
         table = []
         for e, first, n in zip(experts, starts, counts):
@@ -173,22 +183,38 @@ def moe_experts(
     experts' gated FFN, each scaled by its routing weight; ``avx512`` overrides :func:`wide`.
     The reference is the loop in ``layers/moe.py: moe_grouped``."""
     D, F = x_RD.shape[1], w2_EDF.shape[2]
-    meta, weight_R, h, y = moe_call_buffers(x_RD.shape[0], D, F, experts, counts, weight_R)
-    _library().moeserve_moe_small(
-        meta.shape[1],
-        meta[0].data_ptr(),
-        meta[1].data_ptr(),
-        meta[2].data_ptr(),
+    starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    small = [i for i, n in enumerate(counts) if n < MKL_MIN_ROWS]
+    meta, weight_R, h, y = moe_call_buffers(
+        x_RD.shape[0],
         D,
         F,
-        x_RD.data_ptr(),
-        w13_EFD.data_ptr(),
-        w2_EDF.data_ptr(),
-        weight_R.data_ptr(),
-        h.data_ptr(),
-        y.data_ptr(),
-        _wide(avx512),
+        [experts[i] for i in small],
+        [counts[i] for i in small],
+        weight_R,
+        starts=[starts[i] for i in small],
     )
+    if small:
+        _library().moeserve_moe_small(
+            meta.shape[1],
+            meta[0].data_ptr(),
+            meta[1].data_ptr(),
+            meta[2].data_ptr(),
+            D,
+            F,
+            x_RD.data_ptr(),
+            w13_EFD.data_ptr(),
+            w2_EDF.data_ptr(),
+            weight_R.data_ptr(),
+            h.data_ptr(),
+            y.data_ptr(),
+            _wide(avx512),
+        )
+    for i in sorted(set(range(len(counts))) - set(small)):  # the big groups: MKL
+        rows = slice(starts[i], starts[i] + counts[i])
+        gate, up = F_.linear(x_RD[rows], w13_EFD[experts[i]]).chunk(2, dim=-1)
+        torch.matmul(F_.silu(gate).mul_(up), w2_EDF[experts[i]].t(), out=y[rows])
+        y[rows] *= weight_R[rows, None]
     return y
 
 

@@ -84,23 +84,65 @@ def test_moe_kernel_matches_reference(T, D, Fd, avx512):
     torch.testing.assert_close(moe_grouped(x, w13, w2, w, ids), ref, rtol=1e-4, atol=1e-3)
 
 
+def _expert_loop(x, counts, w13, w2, weight):
+    """Each expert's rows through F.linear: the reference of the grouped calls below."""
+    Fd = w2.shape[2]
+    want, start = torch.empty_like(x), 0
+    for e, n in enumerate(counts):
+        gate, up = F.linear(x[start : start + n], w13[e]).split(Fd, dim=-1)
+        want[start : start + n] = F.linear(F.silu(gate) * up, w2[e]) * weight[start:, None][:n]
+        start += n
+    return want
+
+
 @pytest.mark.parametrize("avx512", ISAS)
-def test_moe_kernel_splits_groups_past_max_rows(avx512):
+@pytest.mark.parametrize("mkl_min_rows", [10**9, 20, 1])
+def test_moe_kernel_with_big_groups_through_mkl(avx512, mkl_min_rows, monkeypatch):
+    """Groups of MKL_MIN_ROWS rows or more run as MKL GEMMs beside the kernel, which then
+    takes the groups between them (rows not back to back: its activation pass must skip the
+    rows it leaves out); all groups big, none big, and a mix with big ones first and last."""
+    monkeypatch.setattr(kernels, "MKL_MIN_ROWS", mkl_min_rows)
+    g = torch.Generator().manual_seed(5)
+    counts = [30, 3, 25, 1, 40, 7, 22]
+    E, D, Fd, R = len(counts), 40, 24, sum(counts)
+    x, weight = torch.randn(R, D, generator=g), torch.rand(R, generator=g)
+    w13, w2 = torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+    got = kernels.moe_experts(x, list(range(E)), counts, w13, w2, weight, avx512)
+    want = _expert_loop(x, counts, w13, w2, weight)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_moe_kernel_activation_at_extreme_gates(avx512):
+    """The vector silu (e^-|g| for both signs) against F.silu where gates reach the hundreds
+    (e^-g over- or underflows in a naive form) and sit near 0; F = 37 leaves a scalar tail."""
+    g = torch.Generator().manual_seed(9)
+    counts, D, Fd = [9, 4], 16, 37
+    R = sum(counts)
+    x, weight = torch.randn(R, D, generator=g) * 60, torch.rand(R, generator=g)
+    x[-1] *= 1e-6
+    w13, w2 = torch.randn(2, 2 * Fd, D, generator=g), torch.randn(2, D, Fd, generator=g)
+    got = kernels.moe_experts(x, [0, 1], counts, w13, w2, weight, avx512)
+    want = _expert_loop(x, counts, w13, w2, weight)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_moe_kernel_splits_groups_past_max_rows(avx512, monkeypatch):
     """Prefill: the folded shared-expert slot takes every token; its rows are split into
-    groups of at most MAX_ROWS and the one-call kernel still applies."""
+    groups of at most MAX_ROWS and the one-call kernel still applies (with MKL_MIN_ROWS out of
+    the way; the int8 kernel always splits)."""
     from moeserve.layers.moe import experts_sorted
 
+    monkeypatch.setattr(kernels, "MKL_MIN_ROWS", 10**9)
     g = torch.Generator().manual_seed(3)
     E, D, Fd = 3, 24, 20
     counts = [5, 0, 2 * kernels.MAX_ROWS + 7]
     R = sum(counts)
     x, weight = torch.randn(R, D, generator=g), torch.rand(R, generator=g)
     w13, w2 = torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
-    want, start = torch.empty(R, D), 0
-    for e, n in enumerate(counts):
-        gate, up = F.linear(x[start : start + n], w13[e]).split(Fd, dim=-1)
-        want[start : start + n] = F.linear(F.silu(gate) * up, w2[e]) * weight[start:, None][:n]
-        start += n
+    want = _expert_loop(x, counts, w13, w2, weight)
     meta = kernels.moe_call_buffers(R, D, Fd, [0, 2], [5, counts[2]], weight)[0]
     assert meta.shape[1] == 4 and meta[2].max() <= kernels.MAX_ROWS and meta[2].sum() == R
     assert kernels.moe_usable(x, [5, counts[2]], w13, w2)

@@ -1,0 +1,89 @@
+/* Helpers shared by the C kernels of this folder (attention.c, kernels.c, int8.c): a vector
+ * e^x, the gated activation of the MoE layers, and how an MoE call's jobs are split among
+ * threads. AVX2+FMA only (the baseline of every kernel here). build.py hashes this header
+ * with each source, so a change to it rebuilds them. */
+#ifndef MOESERVE_CPU_COMMON_H
+#define MOESERVE_CPU_COMMON_H
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+/* e^x for x <= 0, 8 at a time: Cephes' expf (relative error ~1e-7); below -87 it returns
+ * ~e^-87 instead of a denormal or 0, which neither a softmax sum nor a sigmoid notices. */
+static inline __m256 exp256_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i n127 = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    const __m256i e = _mm256_slli_epi32(n127, 23); /* 2^n */
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* One row of an MoE hidden [gate F | up F]: row[f] = silu(gate[f]) * up[f] for f < F, with
+ * silu(g) = g * sigmoid(g) taken from e = e^-|g| (never overflows): sigmoid(g) = 1 / (1 + e)
+ * for g >= 0 and e / (1 + e) below. Scalar expf was ~7% of a prefill MoE layer. */
+static inline void silu_mul_row(int64_t F, float *row) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t f = 0;
+    for (; f + 8 <= F; f += 8) {
+        const __m256 g = _mm256_loadu_ps(row + f);
+        const __m256 e = exp256_neg(_mm256_or_ps(g, sign)); /* e^-|g| */
+        const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(row + f, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(row + F + f)));
+    }
+    for (; f < F; f++) {
+        const float g = row[f];
+        row[f] = g / (1.0f + expf(-g)) * row[F + f];
+    }
+}
+
+/* silu_mul_row over the rows of every group (group g: rows start[g] .. start[g] + count[g] of
+ * h, whose rows are 2F apart), thread t of nt taking an equal share of them; the groups need
+ * not be back to back (an MoE call may leave rows to another path). */
+static inline void silu_mul_groups(int64_t n_groups, const int64_t *start, const int64_t *count,
+                                   int64_t F, float *h, int t, int nt) {
+    int64_t rows = 0;
+    for (int64_t g = 0; g < n_groups; g++) rows += count[g];
+    const int64_t lo = rows * t / nt, hi = rows * (t + 1) / nt;
+    int64_t before = 0;
+    for (int64_t g = 0; g < n_groups && before < hi; g++) {
+        const int64_t a = lo > before ? lo - before : 0;
+        const int64_t b = hi - before < count[g] ? hi - before : count[g];
+        for (int64_t r = a; r < b; r++) silu_mul_row(F, h + (start[g] + r) * 2 * F);
+        before += count[g];
+    }
+}
+
+/* The first job of thread t among nt when the n_groups groups of an MoE call have J jobs each
+ * and a job of group g costs count[g] + fixed (its token rows, plus the weight rows it streams
+ * in row equivalents): contiguous shares of equal cost. An even split of the jobs leaves a
+ * thread with the busier experts waiting at the barrier (~5% of a prefill layer). */
+static inline int64_t balanced_first_job(int64_t n_groups, const int64_t *count, int64_t J,
+                                         int64_t fixed, int t, int nt) {
+    if (t <= 0) return 0;
+    if (t >= nt) return n_groups * J;
+    int64_t total = 0;
+    for (int64_t g = 0; g < n_groups; g++) total += count[g] + fixed;
+    const int64_t target = total * J * t / nt; /* cost units before this thread's share */
+    int64_t before = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        const int64_t c = count[g] + fixed;
+        if (before + c * J > target) {
+            const int64_t j = (target - before + c - 1) / c;
+            return g * J + (j < J ? j : J);
+        }
+        before += c * J;
+    }
+    return n_groups * J;
+}
+#endif
