@@ -26,7 +26,7 @@ from moeserve.engine.spec_setup import check_mtp_checkpoint, make_runner
 from moeserve.eplb.balancer import ExpertBalancer
 from moeserve.kvcache.pool import KVCachePool
 from moeserve.models.loader import load_model
-from moeserve.ops.cpu.allocator import keep_freed_memory
+from moeserve.ops.cpu.allocator import keep_freed_memory, release_freed_memory
 from moeserve.ops.cpu.hugepages import move_to_huge_pages
 from moeserve.tokenizer import Tokenizer
 
@@ -72,10 +72,13 @@ class LLMEngine:
         )
         # weights stream through 2 MB pages on a CPU (ops/cpu/hugepages.py)
         self.huge_page_bytes = move_to_huge_pages(self.model) if self.device.type == "cpu" else 0
+        if self.device.type == "cpu":
+            # loading's temporaries go back to the OS (also when an earlier engine of this
+            # process already turned trimming off)
+            release_freed_memory()
         self.load_rss_bytes = resident_bytes() - rss0  # what loading kept resident
         if self.device.type == "cpu":
-            # from here on, step temporaries reuse freed pages instead of faulting in fresh
-            # ones (after loading, so its temporaries still go back to the OS)
+            # from here on, step temporaries reuse freed pages instead of faulting in fresh ones
             keep_freed_memory()
         # an idle replica must still join the expert all-to-alls of a step
         dims = groups.dims

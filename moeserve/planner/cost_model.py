@@ -126,12 +126,14 @@ def gemm_efficiency(rank: Rank, m: float) -> float:
     return 1.0 if mh == 0 else m / (m + mh)
 
 
-def gemm_flops_per_s(rank: Rank, m: float, m_half: float | None = None) -> float:
+def gemm_flops_per_s(
+    rank: Rank, m: float, m_half: float | None = None, large: bool = False
+) -> float:
     """FLOP/s of an ``m``-row GEMM on this rank: the path that runs it (a profile may give
-    few rows their own kernel and rate, ``small_gemm_*``) at ``m / (m + m_half)`` of its
-    peak."""
+    few rows their own kernel and rate, ``small_gemm_*``; ``large`` forces the large-GEMM
+    path) at ``m / (m + m_half)`` of its peak."""
     dev, dt = rank.hw.device, rank.gemm_dtype
-    if dt == rank.hw.software.compute_dtype:  # the dtype the few-row path was measured at
+    if dt == rank.hw.software.compute_dtype and not large:  # the few-row path's dtype
         peak, mh = dev.gemm_rate(dt, m)
     else:
         peak, mh = dev.flops_per_s(dt), dev.gemm_m_half
@@ -140,22 +142,44 @@ def gemm_flops_per_s(rank: Rank, m: float, m_half: float | None = None) -> float
 
 
 def compute_time(
-    rank: Rank, flops: float, nbytes: float, m: float, calls: float = 1, m_half: float | None = None
+    rank: Rank,
+    flops: float,
+    nbytes: float,
+    m: float,
+    calls: float = 1,
+    m_half: float | None = None,
+    large: bool = False,
 ) -> float:
     if flops == 0 and nbytes == 0:
         return 0.0
-    rate = gemm_flops_per_s(rank, max(m, 1e-9), m_half)
+    rate = gemm_flops_per_s(rank, max(m, 1e-9), m_half, large)
     return max(flops / rate, nbytes / rank.bytes_per_s) + calls * rank.op_overhead_s
 
 
-def gemm(rank: Rank, name: str, m: float, n: float, k: float, w_bytes: float | None = None):
-    """``[m, k] @ [k, n]`` with an ``n x k`` weight read once."""
+def gemm(
+    rank: Rank,
+    name: str,
+    m: float,
+    n: float,
+    k: float,
+    w_bytes: float | None = None,
+    large: bool = False,
+):
+    """``[m, k] @ [k, n]`` with an ``n x k`` weight read once (``large``: on the large-GEMM
+    path whatever ``m``)."""
     if m <= 0:
         return OpCost(name, COMPUTE)
     wb = rank.wbytes if w_bytes is None else w_bytes
     flops = 2.0 * m * n * k
     nbytes = n * k * wb + (m * k + m * n) * rank.abytes
-    return OpCost(name, COMPUTE, flops, nbytes, compute_time(rank, flops, nbytes, m))
+    return OpCost(name, COMPUTE, flops, nbytes, compute_time(rank, flops, nbytes, m, large=large))
+
+
+def expert_gemm_path(rank: Rank, rows_per_expert: float) -> bool:
+    """Whether experts with this many rows run as plain GEMMs (the large-GEMM path) rather
+    than in the expert kernel (``device.expert_gemm_min_rows``)."""
+    least = rank.hw.device.expert_gemm_min_rows
+    return bool(least) and rows_per_expert >= least
 
 
 def attention_decode(rank: Rank, spec: ModelSpec, seqs: float, q_per_seq: float, ctx: float):
@@ -243,8 +267,11 @@ def routed_experts(rank: Rank, spec: ModelSpec, tokens_ep: float, imbalance: flo
     # gathers, SiLU and scatter, and the down projection's short inner dimension, make its
     # rate grow with the rows differently from one plain GEMM's; its weights then stream at
     # the plain rate (the calibration measures both)
-    eff = rank.hw.device.expert_efficiency
     m = rows / active
+    if expert_gemm_path(rank, m):  # two plain GEMMs per expert
+        t = compute_time(rank, flops, nbytes, m, calls=2 * active, large=True)
+        return OpCost("experts", COMPUTE, flops, nbytes, t)
+    eff = rank.hw.device.expert_efficiency
     if rank.hw.device.small_gemm_max_rows:  # the MoE kernel splits groups into blocks
         m = min(m, rank.hw.device.small_gemm_max_rows)
     e_half = rank.hw.device.expert_m_half

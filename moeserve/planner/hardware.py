@@ -46,6 +46,9 @@ class Device:
     small_gemm_tflops: float = 0.0  # peak of that path, at the compute dtype
     small_gemm_m_half: float = 0.0
     expert_m_half: float | None = None  # rows per expert at half the expert kernel's rate
+    # experts with at least this many rows in a step run as plain GEMMs (the large-GEMM path)
+    # instead of the expert kernel (moeserve's CPU MoE: kernels.MKL_MIN_ROWS); 0: never
+    expert_gemm_min_rows: int = 0
     # the prefill attention core (scores, mask, softmax, values, with its copies) against a
     # plain GEMM of the same FLOPs at the same rows
     prefill_attention_efficiency: float = 1.0
@@ -78,6 +81,7 @@ class Device:
             )
         if self.expert_m_half is not None:
             _positive("device.expert_m_half", self.expert_m_half, zero_ok=True)
+        _positive("device.expert_gemm_min_rows", self.expert_gemm_min_rows, zero_ok=True)
         if self.small_gemm_max_rows:
             _positive("device.small_gemm_tflops", self.small_gemm_tflops)
             _positive("device.small_gemm_m_half", self.small_gemm_m_half, zero_ok=True)
@@ -201,6 +205,7 @@ _DEVICE_OPTIONAL = (
     "small_gemm_tflops",
     "small_gemm_m_half",
     "expert_m_half",
+    "expert_gemm_min_rows",
     "prefill_attention_efficiency",
 )
 _LINK = ("latency_us", "allreduce_latency_us", "per_peer_us", "bandwidth_gbs")

@@ -111,9 +111,10 @@ def moe_ops(rank: Rank, spec: ModelSpec, T: float, imbalance: float) -> tuple[li
             cm.gemm(rank, "router", T, E, D, w_bytes=rank.abytes),
             cm.routed_experts(rank, spec, T, imbalance),
         ]
-        if Fs:
-            ops.append(cm.gemm(rank, "shared_expert", T, 2 * Fs / lay.tp, D))
-            ops.append(cm.gemm(rank, "shared_expert", T, D, Fs / lay.tp))
+        if Fs:  # a slot of the expert call where it folds in (DeepSeek): the same path rule
+            big = cm.expert_gemm_path(rank, T)
+            ops.append(cm.gemm(rank, "shared_expert", T, 2 * Fs / lay.tp, D, large=big))
+            ops.append(cm.gemm(rank, "shared_expert", T, D, Fs / lay.tp, large=big))
         ops.append(cm.all_reduce(rank, "tp_all_reduce", lay.tp, T * D * rank.abytes))
         return ops, 0.0
     T_loc = T / lay.tp  # each TP rank routes its share of the replica's rows

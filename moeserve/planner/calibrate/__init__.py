@@ -95,6 +95,13 @@ def kernel_max_rows() -> int:
     return kernels.MAX_ROWS if kernels.available() else 0
 
 
+def expert_gemm_min_rows() -> int:
+    """Rows from which the engine's MoE call runs an expert as MKL GEMMs (0: no kernel)."""
+    from moeserve.ops.cpu import kernels
+
+    return kernels.MKL_MIN_ROWS if kernels.available() else 0
+
+
 def build_profile(threads: int | None = None, log=print, refit: dict | None = None) -> dict:
     """Run every micro-benchmark and return the profile as YAML-ready data. ``refit``: the
     ``measurements`` and ``measured_on`` of an earlier calibration (:func:`read_measurements`)
@@ -175,6 +182,10 @@ def build_profile(threads: int | None = None, log=print, refit: dict | None = No
             ),
             "small_gemm_m_half": _fig(
                 small_half, f"{cal}: fitted to the GEMMs of rows 1..{small_rows}"
+            ),
+            "expert_gemm_min_rows": _fig(
+                expert_gemm_min_rows(),
+                "moeserve/ops/cpu/kernels.py: MKL_MIN_ROWS (0: no compiled kernels)",
             ),
             "expert_efficiency": _fig(1.0, "placeholder, fitted below"),
             # the engine's weights stream through its own kernel: what a 1-row GEMM over

@@ -255,7 +255,7 @@ def fit_expert_efficiency(rows: list[dict], raw: dict) -> tuple[float, float]:
     import copy
     import math
 
-    from moeserve.planner.cost_model import Rank, gemm, routed_experts
+    from moeserve.planner.cost_model import Rank, expert_gemm_path, gemm, routed_experts
     from moeserve.planner.hardware import profile_from_dict
     from moeserve.planner.layout import Layout
     from moeserve.planner.model_spec import spec_from_config
@@ -286,10 +286,15 @@ def fit_expert_efficiency(rows: list[dict], raw: dict) -> tuple[float, float]:
         for r, spec in zip(rows, specs):
             T, D, F = r["tokens"], r["D"], r["F"]
             pred = routed_experts(rank, spec, T).time_s
-            # the shared slot: T rows in blocks of the few-row path (the same kernel)
-            m = min(T, profile.device.small_gemm_max_rows or T)
-            for n, k in ((2 * F, D), (D, F)):
-                pred += gemm(rank, "shared", m, n, k).time_s * T / m
+            # the shared slot: T rows as plain GEMMs where the call sends that many there,
+            # else in blocks of the few-row path (the same kernel)
+            if expert_gemm_path(rank, T):
+                for n, k in ((2 * F, D), (D, F)):
+                    pred += gemm(rank, "shared", T, n, k, large=True).time_s
+            else:
+                m = min(T, profile.device.small_gemm_max_rows or T)
+                for n, k in ((2 * F, D), (D, F)):
+                    pred += gemm(rank, "shared", m, n, k).time_s * T / m
             errs.append(abs(math.log(pred / r["seconds"])))
         return statistics.median(errs) + max(errs) / 4  # the median, and no count far off
 

@@ -273,6 +273,29 @@ def test_expert_blocks_are_capped_at_the_few_row_limit(raw_profile, tiny):
     assert ns(op.time_s) == pytest.approx(op.flops / 0.25, rel=1e-3)
 
 
+def test_experts_with_many_rows_run_as_plain_gemms(raw_profile, tiny):
+    from moeserve.planner.hardware import profile_from_dict
+
+    _few_row_profile(raw_profile, expert_m_half=0)
+    raw_profile["device"]["expert_gemm_min_rows"] = {"value": 40, "source": "assumption: test"}
+    rank = Rank.of(profile_from_dict(raw_profile), Layout())
+    # 50 rows per expert >= 40: two large-GEMM calls per expert at 1 GFLOP/s * 50 / (50 + 8),
+    # no expert efficiency, not capped at the few-row limit
+    op = cm.routed_experts(rank, tiny, tokens_ep=100)
+    assert ns(op.time_s) == pytest.approx(op.flops / (50 / 58), rel=1e-3)
+    # 10 tokens: 5 rows per expert < 40, the kernel as before (0.25 GFLOP/s, blocks of 4)
+    op = cm.routed_experts(rank, tiny, tokens_ep=10)
+    assert ns(op.time_s) == pytest.approx(op.flops / 0.25, rel=1e-3)
+    # the folded shared expert follows the same rule at T rows: 100 >= 40 -> large path
+    # (tiny's shared FFN: 2 * Fs x D then D x Fs)
+    ops, _ = moe_ops(rank, tiny, 100, 1.0)
+    shared = [o for o in ops if o.name == "shared_expert"]
+    Fs = tiny.shared_intermediate
+    assert sum(ns(o.time_s) for o in shared) == pytest.approx(
+        2 * 100 * 3 * Fs * tiny.hidden / (100 / 108), rel=1e-3
+    )
+
+
 def test_prefill_attention_efficiency(raw_profile, tiny):
     from moeserve.planner.hardware import profile_from_dict
 
