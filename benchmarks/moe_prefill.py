@@ -5,10 +5,14 @@ token), expert FFN 512, fp32 random weights in huge pages, three weight sets cyc
 experts come from memory as in a real forward. Random top-6 choices for T tokens give the
 groups; each way computes the same sorted rows:
 
-- ``kernel``: the one-call MoE kernel for every group (big groups split into <= 128 rows);
-- ``kernel+mkl``: what ``kernels.moe_experts`` does: groups of ``MKL_MIN_ROWS`` rows or more
-  through MKL (``F.linear``), the rest in one kernel call (the default);
+- ``kernel``: the one-call MoE kernel for every group (big groups split into <= 128 rows;
+  with AVX-512 the packed-panel path for experts of 24+ rows): the default with AVX-512;
+- ``kernel+mkl``: groups of ``--mkl-min-rows`` rows or more through MKL (``F.linear``), the
+  rest in one kernel call: the default of the AVX2 kernel (``MKL_MIN_ROWS``);
 - ``mkl loop``: every group through ``F.linear`` (as the per-expert loop of ``layers.moe``).
+
+``MOESERVE_CPU_AVX512=0 MKL_ENABLE_INSTRUCTIONS=AVX2`` measures an AVX2-only CPU's choice on
+an AVX-512 one.
 
 The ways alternate inside each repeat (the machine's speed drifts); the table shows the
 median time and GFLOP/s of each and its ratio to ``kernel``.
@@ -56,7 +60,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--mkl-min-rows", type=int, default=kernels.MKL_MIN_ROWS)
+    ap.add_argument(
+        "--mkl-min-rows",
+        type=int,
+        default=kernels.MKL_MIN_ROWS,
+        help="the threshold of the kernel+mkl way (the default: the AVX2 kernel's)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench_out" / "moe_prefill.json"))
     args = ap.parse_args()
@@ -71,16 +80,18 @@ def main() -> None:
         )
         for _ in range(SETS)
     ]
-    # each way is kernels.moe_experts with its own threshold (1: every group through MKL)
-    thresholds = {"kernel": 10**9, "kernel+mkl": args.mkl_min_rows, "mkl loop": 1}
-    default_min = kernels.MKL_MIN_ROWS
+    # each way is kernels.moe_experts with its own threshold for this CPU's kernel (None:
+    # every group in the kernel, 1: every group through MKL)
+    thresholds = {"kernel": None, "kernel+mkl": args.mkl_min_rows, "mkl loop": 1}
+    attr = "MKL_MIN_ROWS_WIDE" if kernels.wide() else "MKL_MIN_ROWS"
+    default_min = getattr(kernels, attr)
 
     def run(name, x, experts, counts, w13, w2, wr):
-        kernels.MKL_MIN_ROWS = thresholds[name]
+        setattr(kernels, attr, thresholds[name])
         try:
             return kernels.moe_experts(x, experts, counts, w13, w2, wr)
         finally:
-            kernels.MKL_MIN_ROWS = default_min
+            setattr(kernels, attr, default_min)
 
     names = list(thresholds)
     rows = []

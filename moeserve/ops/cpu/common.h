@@ -86,4 +86,22 @@ static inline int64_t balanced_first_job(int64_t n_groups, const int64_t *count,
     }
     return n_groups * J;
 }
+
+/* mb = min(left, lim) (lim <= 12) as a compile-time constant in each case: CALL(mb) inlines a
+ * block of that many rows (cases past lim are dead code) */
+#define DISPATCH_MB(left, lim, CALL)                       \
+    switch ((left) >= (lim) ? (lim) : (int)(left)) {       \
+        case 1: CALL(1); break;                            \
+        case 2: CALL(2); break;                            \
+        case 3: CALL(3); break;                            \
+        case 4: CALL(4); break;                            \
+        case 5: CALL(5); break;                            \
+        case 6: CALL(6); break;                            \
+        case 7: if ((lim) >= 7) CALL(7); break;            \
+        case 8: if ((lim) >= 8) CALL(8); break;            \
+        case 9: if ((lim) >= 9) CALL(9); break;            \
+        case 10: if ((lim) >= 10) CALL(10); break;         \
+        case 11: if ((lim) >= 11) CALL(11); break;         \
+        default: if ((lim) >= 12) CALL(12); break;         \
+    }
 #endif

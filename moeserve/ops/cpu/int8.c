@@ -248,23 +248,6 @@ static inline __attribute__((always_inline)) void CAT(dot_block_f, SFX)(
     }
 }
 
-/* mb is a run-time count in 1..lim (lim <= 12): each case inlines a block of that many rows */
-#define DISPATCH_MB(left, lim, CALL)                       \
-    switch ((left) >= (lim) ? (lim) : (int)(left)) {       \
-        case 1: CALL(1); break;                            \
-        case 2: CALL(2); break;                            \
-        case 3: CALL(3); break;                            \
-        case 4: CALL(4); break;                            \
-        case 5: CALL(5); break;                            \
-        case 6: CALL(6); break;                            \
-        case 7: if ((lim) >= 7) CALL(7); break;            \
-        case 8: if ((lim) >= 8) CALL(8); break;            \
-        case 9: if ((lim) >= 9) CALL(9); break;            \
-        case 10: if ((lim) >= 10) CALL(10); break;         \
-        case 11: if ((lim) >= 11) CALL(11); break;         \
-        default: if ((lim) >= 12) CALL(12); break;         \
-    }
-
 /* All M rows of x against a panel of `rows` (<= PANEL) int8 weight rows q[r * ldq] with
  * scales scale[r]; y[i, r] for i < M, r < rows. */
 static void CAT(panel_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t ldx,
@@ -320,7 +303,6 @@ static void CAT(panel_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t l
     for (int64_t i = 0; i < M; i++)
         for (int64_t r = 0; r < rows; r++) y[i * ldy + r] *= scale[r];
 }
-#undef DISPATCH_MB
 
 static void CAT(gemm, SFX)(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                            const int8_t *q, int64_t ldq, const float *scale, float *y,

@@ -14,7 +14,8 @@
  * where the FMAs and the token rows' loads bound the speed rather than the weight stream,
  * quads of weight rows against blocks of 6 token rows, so each loaded token vector feeds 4
  * FMAs; fewer rows run the pairs). The caller picks one per call (`wide`), ops/cpu/kernels.py
- * from the CPU's flags.
+ * from the CPU's flags. An AVX-512 MoE call in which an expert has PACK_MIN_ROWS rows or more
+ * (prefill) runs moe_packed.h instead: packed weight panels and an outer-product tile.
  *
  * Compiled at first use (moeserve/ops/cpu/kernels.py) with -fopenmp; loaded after torch,
  * it shares torch's OpenMP runtime and thread count.
@@ -24,6 +25,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "common.h"
 
@@ -130,6 +132,7 @@ typedef __m512 vf_avx512;
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 #include "kernels.c" /* this file: its body, for this ISA */
+#include "moe_packed.h" /* prefill MoE: experts with many rows through packed panels */
 #pragma GCC pop_options
 
 void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
@@ -140,21 +143,24 @@ void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int
         gemm_avx2(M, N, K, x, ldx, w, ldw, y, ldy);
 }
 
-/* Routed experts for few rows, one call per MoE layer: for each group g (rows
+/* Routed experts, one call per MoE layer: for each group g (rows
  * [start[g], start[g] + count[g]) of x, all routed to expert[g]):
  *   h = x_g @ w13[e]^T            (gate rows then up rows: [count, 2F])
  *   a = silu(h[:, :F]) * h[:, F:]  (written over h[:, :F])
  *   y_g = route_w_g * (a @ w2[e]^T)
  * w13 is [E, 2F, D] and w2 [E, D, F], both contiguous; h is scratch of [rows, 2F]. One
  * parallel region: the threads share out the weight row pairs of all experts at once (three
- * barriers per layer instead of two parallel regions per expert). */
+ * barriers per layer instead of two parallel regions per expert). With AVX-512 and an expert
+ * of PACK_MIN_ROWS rows or more, moe_panels (moe_packed.h). */
 void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
                         const int64_t *count, int64_t D, int64_t F, const float *x,
                         const float *w13, const float *w2, const float *route_w, float *h,
                         float *y, int wide) {
     int64_t most = 0;
     for (int64_t g = 0; g < n_groups; g++) most = count[g] > most ? count[g] : most;
-    if (wide && most >= WIDE_MIN_ROWS)
+    if (wide && most >= PACK_MIN_ROWS)
+        moe_panels(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
+    else if (wide && most >= WIDE_MIN_ROWS)
         moe_avx512(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
     else
         moe_avx2(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
@@ -446,14 +452,7 @@ static void CAT(job_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t ldx
             const float *xm = x + m0 * ldx;
             float *ym = y + m0 * ldy;
 #define CALL(mb) CAT(dot_quad, SFX)(mb, nw, K, xm, ldx, w, ldw, ym, ldy, pf4)
-            switch (left >= MBQ ? MBQ : (int)left) {
-                case 1: CALL(1); break;
-                case 2: CALL(2); break;
-                case 3: CALL(3); break;
-                case 4: CALL(4); break;
-                case 5: CALL(5); break;
-                default: CALL(MBQ); break;
-            }
+            DISPATCH_MB(left, MBQ, CALL)
 #undef CALL
         }
         return;

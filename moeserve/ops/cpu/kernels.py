@@ -27,10 +27,18 @@ _SOURCE = Path(__file__).with_name("kernels.c")
 MAX_ROWS = 128
 # In one MoE call, an expert with at least this many rows (prefill: the folded shared expert
 # takes every token, a routed one T * top_k / E on average) runs as two MKL GEMMs instead,
-# whose packed GEMM beats the kernel from here on. Measured on the benchmark model's MoE
-# layer (2 threads, A/B in one process, docs/benchmarks.md "Prefill MoE"): 2048 tokens
-# 113 -> 152 GFLOP/s, 512 tokens +4%; 32 or 48 rows lose at 512.
-MKL_MIN_ROWS = 64
+# where MKL's packed GEMM beats the kernel: with the AVX2 kernel (measured with MKL limited
+# to AVX2 too, benchmarks/moe_prefill.py: 512 tokens 1.34x, 128-256 tokens 1.02-1.03x) from
+# 16 rows; with AVX-512 never (None), since the call's packed-panel path (moe_packed.h)
+# matched or beat MKL at 512-2048 tokens (docs/benchmarks.md "Prefill MoE").
+MKL_MIN_ROWS = 16
+MKL_MIN_ROWS_WIDE: int | None = None
+
+
+def mkl_min_rows(avx512: bool | None = None) -> int | None:
+    """Rows from which an expert of an MoE call runs through MKL (None: never) for the ISA
+    ``avx512`` picks (:func:`wide` by default)."""
+    return MKL_MIN_ROWS_WIDE if _wide(avx512) else MKL_MIN_ROWS
 
 
 @lru_cache(maxsize=1)
@@ -184,7 +192,8 @@ def moe_experts(
     The reference is the loop in ``layers/moe.py: moe_grouped``."""
     D, F = x_RD.shape[1], w2_EDF.shape[2]
     starts = list(itertools.accumulate(counts, initial=0))[:-1]
-    small = [i for i, n in enumerate(counts) if n < MKL_MIN_ROWS]
+    least = mkl_min_rows(avx512)
+    small = [i for i, n in enumerate(counts) if least is None or n < least]
     meta, weight_R, h, y = moe_call_buffers(
         x_RD.shape[0],
         D,

@@ -96,10 +96,11 @@ def kernel_max_rows() -> int:
 
 
 def expert_gemm_min_rows() -> int:
-    """Rows from which the engine's MoE call runs an expert as MKL GEMMs (0: no kernel)."""
+    """Rows from which the engine's MoE call runs an expert as MKL GEMMs here (0: never, or
+    no kernels)."""
     from moeserve.ops.cpu import kernels
 
-    return kernels.MKL_MIN_ROWS if kernels.available() else 0
+    return (kernels.mkl_min_rows() or 0) if kernels.available() else 0
 
 
 def build_profile(threads: int | None = None, log=print, refit: dict | None = None) -> dict:
@@ -185,7 +186,7 @@ def build_profile(threads: int | None = None, log=print, refit: dict | None = No
             ),
             "expert_gemm_min_rows": _fig(
                 expert_gemm_min_rows(),
-                "moeserve/ops/cpu/kernels.py: MKL_MIN_ROWS (0: no compiled kernels)",
+                "moeserve/ops/cpu/kernels.py: mkl_min_rows() here (0: never, or no kernels)",
             ),
             "expert_efficiency": _fig(1.0, "placeholder, fitted below"),
             # the engine's weights stream through its own kernel: what a 1-row GEMM over

@@ -96,12 +96,15 @@ def _expert_loop(x, counts, w13, w2, weight):
 
 
 @pytest.mark.parametrize("avx512", ISAS)
-@pytest.mark.parametrize("mkl_min_rows", [10**9, 20, 1])
+@pytest.mark.parametrize("mkl_min_rows", [None, 20, 1])
 def test_moe_kernel_with_big_groups_through_mkl(avx512, mkl_min_rows, monkeypatch):
     """Groups of MKL_MIN_ROWS rows or more run as MKL GEMMs beside the kernel, which then
     takes the groups between them (rows not back to back: its activation pass must skip the
-    rows it leaves out); all groups big, none big, and a mix with big ones first and last."""
+    rows it leaves out); all groups big, none big, and a mix with big ones first and last.
+    Groups of 24+ rows left to the AVX-512 kernel take its packed-panel path (moe_packed.h),
+    D = 40 and F = 24 leaving column tails and a part panel."""
     monkeypatch.setattr(kernels, "MKL_MIN_ROWS", mkl_min_rows)
+    monkeypatch.setattr(kernels, "MKL_MIN_ROWS_WIDE", mkl_min_rows)
     g = torch.Generator().manual_seed(5)
     counts = [30, 3, 25, 1, 40, 7, 22]
     E, D, Fd, R = len(counts), 40, 24, sum(counts)
@@ -135,7 +138,8 @@ def test_moe_kernel_splits_groups_past_max_rows(avx512, monkeypatch):
     the way; the int8 kernel always splits)."""
     from moeserve.layers.moe import experts_sorted
 
-    monkeypatch.setattr(kernels, "MKL_MIN_ROWS", 10**9)
+    monkeypatch.setattr(kernels, "MKL_MIN_ROWS", None)
+    monkeypatch.setattr(kernels, "MKL_MIN_ROWS_WIDE", None)
     g = torch.Generator().manual_seed(3)
     E, D, Fd = 3, 24, 20
     counts = [5, 0, 2 * kernels.MAX_ROWS + 7]
