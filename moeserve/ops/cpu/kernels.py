@@ -189,7 +189,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """Rows of ``x_RD`` sorted by expert (``counts[i]`` rows for ``experts[i]``) through their
     experts' gated FFN, each scaled by its routing weight; ``avx512`` overrides :func:`wide`.
-    The reference is the loop in ``layers/moe.py: moe_grouped``."""
+    Experts of :func:`mkl_min_rows` rows or more run as two MKL GEMMs, the rest in one kernel
+    call. The reference is the loop in ``layers/moe.py: moe_grouped``."""
     D, F = x_RD.shape[1], w2_EDF.shape[2]
     starts = list(itertools.accumulate(counts, initial=0))[:-1]
     least = mkl_min_rows(avx512)
