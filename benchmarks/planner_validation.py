@@ -60,13 +60,9 @@ def _prompt(g: torch.Generator, n: int) -> list[int]:
     return torch.randint(2, BENCH_CONFIG["vocab_size"], (n,), generator=g).tolist()
 
 
-def measure_decode(llm: LLM, batch: int, steps: int, seed: int, runs: int = 2) -> float:
-    """Median seconds of one decode step with ``batch`` sequences decoding; the best of
-    ``runs`` runs (the machine is shared: another tenant slows a whole run)."""
-    return min(_decode_once(llm, batch, steps, seed + 1000 * r) for r in range(runs))
-
-
-def _decode_once(llm: LLM, batch: int, steps: int, seed: int) -> float:
+def measure_decode(llm: LLM, batch: int, steps: int, seed: int) -> float:
+    """Median seconds of one decode step with ``batch`` sequences decoding (one run; the
+    rounds of ``main`` repeat it)."""
     return time_decode_steps(llm, batch, PROMPT_LEN, steps, BENCH_CONFIG["vocab_size"], seed)
 
 
@@ -147,9 +143,9 @@ def main() -> None:
                 **engine_kw,
             )
             try:
-                measure_decode(llm, lay.dp, 4, seed=99, runs=1)  # warm-up
+                measure_decode(llm, lay.dp, 4, seed=99)  # warm-up
                 for b in batches:
-                    t = measure_decode(llm, b * lay.dp, args.steps, seed=b + 100 * rnd, runs=1)
+                    t = measure_decode(llm, b * lay.dp, args.steps, seed=b + 100 * rnd)
                     runs.setdefault((name, "decode", b), []).append(t)
                 measure_prefill(llm, lay.dp, 64, seed=7, repeats=1)  # warm-up
                 t = measure_prefill(llm, lay.dp, args.prefill, seed=11 + rnd)

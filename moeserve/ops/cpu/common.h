@@ -64,6 +64,9 @@ static inline void silu_mul_groups(int64_t n_groups, const int64_t *start, const
     }
 }
 
+/* the weight stream of an MoE job in token-row equivalents (balanced_first_job) */
+#define MOE_FIXED 8
+
 /* The first job of thread t among nt when the n_groups groups of an MoE call have J jobs each
  * and a job of group g costs count[g] + fixed (its token rows, plus the weight rows it streams
  * in row equivalents): contiguous shares of equal cost. An even split of the jobs leaves a
@@ -85,6 +88,25 @@ static inline int64_t balanced_first_job(int64_t n_groups, const int64_t *count,
         before += c * J;
     }
     return n_groups * J;
+}
+
+/* Thread t's jobs [*lo, *hi) of an MoE call's n_groups x J jobs (balanced_first_job with
+ * MOE_FIXED), called inside the call's parallel region. */
+static inline void moe_share(int64_t n_groups, const int64_t *count, int64_t J, int t, int nt,
+                             int64_t *lo, int64_t *hi) {
+    *lo = balanced_first_job(n_groups, count, J, MOE_FIXED, t, nt);
+    *hi = balanced_first_job(n_groups, count, J, MOE_FIXED, t + 1, nt);
+}
+
+/* Between an MoE call's two projections, inside its parallel region: wait for every thread's
+ * gate/up rows, apply the gated activation to this thread's share of the rows
+ * (silu_mul_groups), and wait again before the down projection reads them. */
+static inline void moe_activation_phase(int64_t n_groups, const int64_t *start,
+                                        const int64_t *count, int64_t F, float *h, int t,
+                                        int nt) {
+#pragma omp barrier
+    silu_mul_groups(n_groups, start, count, F, h, t, nt);
+#pragma omp barrier
 }
 
 /* mb = min(left, lim) (lim <= 12) as a compile-time constant in each case: CALL(mb) inlines a

@@ -28,8 +28,6 @@
 
 #include "common.h"
 
-/* the weight stream of an MoE job in token-row equivalents (common.h: balanced_first_job) */
-#define MOE_FIXED 8
 #define PANEL 8 /* weight rows per job: a block's x chunk is swept over all of them */
 #ifndef KC
 #define KC 1024 /* columns per converted chunk (8 rows x 4 KB of fp32): best of 256..1024 */
@@ -324,21 +322,19 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
     {
         /* contiguous shares of equal cost, as in kernels.c */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t end13 = balanced_first_job(n_groups, count, panels13, MOE_FIXED, t + 1, nt);
-        for (int64_t job = balanced_first_job(n_groups, count, panels13, MOE_FIXED, t, nt);
-             job < end13; job++) {
+        int64_t lo13, end13;
+        moe_share(n_groups, count, panels13, t, nt, &lo13, &end13);
+        for (int64_t job = lo13; job < end13; job++) {
             const int64_t g = job / panels13, n0 = (job % panels13) * PANEL, e = expert[g];
             const int64_t nr = 2 * F - n0 < PANEL ? 2 * F - n0 : PANEL;
             CAT(panel_rows, SFX)(count[g], D, x + start[g] * D, D, q13 + (e * 2 * F + n0) * D,
                                  D, s13 + e * 2 * F + n0, nr, h + start[g] * 2 * F + n0,
                                  2 * F);
         }
-#pragma omp barrier
-        silu_mul_groups(n_groups, start, count, F, h, t, nt);
-#pragma omp barrier
-        const int64_t end2 = balanced_first_job(n_groups, count, panels2, MOE_FIXED, t + 1, nt);
-        for (int64_t job = balanced_first_job(n_groups, count, panels2, MOE_FIXED, t, nt);
-             job < end2; job++) {
+        moe_activation_phase(n_groups, start, count, F, h, t, nt);
+        int64_t lo2, end2;
+        moe_share(n_groups, count, panels2, t, nt, &lo2, &end2);
+        for (int64_t job = lo2; job < end2; job++) {
             const int64_t g = job / panels2, n0 = (job % panels2) * PANEL, e = expert[g];
             const int64_t nr = D - n0 < PANEL ? D - n0 : PANEL;
             float *yg = y + start[g] * D + n0;

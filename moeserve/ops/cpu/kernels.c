@@ -32,8 +32,6 @@
 #ifndef MIN_PREFETCH
 #define MIN_PREFETCH 2048 /* floats (8 KB); see prefetch_ahead */
 #endif
-/* the weight stream of an MoE job in token-row equivalents (balanced_first_job) */
-#define MOE_FIXED 8
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -495,21 +493,19 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
         /* contiguous shares of equal cost (balanced_first_job): each thread streams its own
          * experts' weights, and the busiest experts do not all fall to one thread */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t end13 = balanced_first_job(n_groups, count, jobs13, MOE_FIXED, t + 1, nt);
-        for (int64_t job = balanced_first_job(n_groups, count, jobs13, MOE_FIXED, t, nt);
-             job < end13; job++) {
+        int64_t lo13, end13;
+        moe_share(n_groups, count, jobs13, t, nt, &lo13, &end13);
+        for (int64_t job = lo13; job < end13; job++) {
             const int64_t g = job / jobs13, n0 = NJ * (job % jobs13);
             const int nw = 2 * F - n0 < NJ ? (int)(2 * F - n0) : NJ;
             const float *w0 = w13 + expert[g] * 2 * F * D + n0 * D;
             CAT(job_rows, SFX)(count[g], D, x + start[g] * D, D, w0, D, nw,
                                h + start[g] * 2 * F + n0, 2 * F, pf13, pf13q);
         }
-#pragma omp barrier
-        silu_mul_groups(n_groups, start, count, F, h, t, nt);
-#pragma omp barrier
-        const int64_t end2 = balanced_first_job(n_groups, count, jobs2, MOE_FIXED, t + 1, nt);
-        for (int64_t job = balanced_first_job(n_groups, count, jobs2, MOE_FIXED, t, nt);
-             job < end2; job++) {
+        moe_activation_phase(n_groups, start, count, F, h, t, nt);
+        int64_t lo2, end2;
+        moe_share(n_groups, count, jobs2, t, nt, &lo2, &end2);
+        for (int64_t job = lo2; job < end2; job++) {
             const int64_t g = job / jobs2, n0 = NJ * (job % jobs2);
             const int nw = D - n0 < NJ ? (int)(D - n0) : NJ;
             float *yg = y + start[g] * D + n0;

@@ -194,7 +194,8 @@ def moe_experts(
     D, F = x_RD.shape[1], w2_EDF.shape[2]
     starts = list(itertools.accumulate(counts, initial=0))[:-1]
     least = mkl_min_rows(avx512)
-    small = [i for i, n in enumerate(counts) if least is None or n < least]
+    to_mkl = [least is not None and n >= least for n in counts]
+    small = [i for i, big in enumerate(to_mkl) if not big]
     meta, weight_R, h, y = moe_call_buffers(
         x_RD.shape[0],
         D,
@@ -220,7 +221,7 @@ def moe_experts(
             y.data_ptr(),
             _wide(avx512),
         )
-    for i in sorted(set(range(len(counts))) - set(small)):  # the big groups: MKL
+    for i in (i for i, big in enumerate(to_mkl) if big):
         rows = slice(starts[i], starts[i] + counts[i])
         gate, up = F_.linear(x_RD[rows], w13_EFD[experts[i]]).chunk(2, dim=-1)
         torch.matmul(F_.silu(gate).mul_(up), w2_EDF[experts[i]].t(), out=y[rows])

@@ -147,20 +147,18 @@ static void moe_panels(int64_t n_groups, const int64_t *expert, const int64_t *s
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         /* no buffer (out of memory): every job takes the unpacked path */
         float *buf = aligned_alloc(64, (buf_bytes + 63) / 64 * 64);
-        const int64_t end13 = balanced_first_job(n_groups, count, jobs13, MOE_FIXED, t + 1, nt);
-        for (int64_t job = balanced_first_job(n_groups, count, jobs13, MOE_FIXED, t, nt);
-             job < end13; job++) {
+        int64_t lo13, end13;
+        moe_share(n_groups, count, jobs13, t, nt, &lo13, &end13);
+        for (int64_t job = lo13; job < end13; job++) {
             const int64_t g = job / jobs13, n0 = PK_NR * (job % jobs13);
             const int nc = 2 * F - n0 < PK_NR ? (int)(2 * F - n0) : PK_NR;
             panel_job(count[g], D, x + start[g] * D, D, w13 + (expert[g] * 2 * F + n0) * D, D,
                       nc, h + start[g] * 2 * F + n0, 2 * F, 0, buf);
         }
-#pragma omp barrier
-        silu_mul_groups(n_groups, start, count, F, h, t, nt);
-#pragma omp barrier
-        const int64_t end2 = balanced_first_job(n_groups, count, jobs2, MOE_FIXED, t + 1, nt);
-        for (int64_t job = balanced_first_job(n_groups, count, jobs2, MOE_FIXED, t, nt);
-             job < end2; job++) {
+        moe_activation_phase(n_groups, start, count, F, h, t, nt);
+        int64_t lo2, end2;
+        moe_share(n_groups, count, jobs2, t, nt, &lo2, &end2);
+        for (int64_t job = lo2; job < end2; job++) {
             const int64_t g = job / jobs2, n0 = PK_NR * (job % jobs2);
             const int nc = D - n0 < PK_NR ? (int)(D - n0) : PK_NR;
             panel_job(count[g], F, h + start[g] * 2 * F, 2 * F, w2 + (expert[g] * D + n0) * F,
