@@ -4,7 +4,8 @@ GB/s counts the weight bytes read per call (fp32: 4 per weight, int8: 1 plus the
 the time ratio is what decode gains. Each call reads another copy of the weight, from a set
 of copies larger than the L3 cache, so the weight streams from memory as in a decode step.
 For many rows (prefill) it compares fp32 ``F.linear`` with the int8 path
-``ops/linear_int8.py`` takes and dequantizing the whole weight first.
+``ops/linear_int8.py`` takes (with AVX-512 the packed panels of ``ops/cpu/moe_packed.h``),
+its AVX2 path (blocks of rows dequantized for MKL) and dequantizing the whole weight first.
 
     python benchmarks/int8_gemm.py [--threads 2] [--rows 1 4 32] [--prefill-rows 512]
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.ops.cpu import int8, kernels
-from moeserve.ops.linear_int8 import linear_int8
+from moeserve.ops.linear_int8 import _blocked, linear_int8
 from moeserve.quant.int8 import Int8Tensor, quantize_rows
 
 SHAPES = [(1024, 512), (1024, 1024), (6144, 384), (32000, 1024)]
@@ -79,8 +80,13 @@ def prefill_row(N: int, K: int, M: int, g: torch.Generator) -> str:
     x = torch.randn(M, K, generator=g)
     f32 = best_ms(lambda: F.linear(x, w))
     path = best_ms(lambda: linear_int8(x, t))
+    out = torch.empty(M, N)
+    blocks = best_ms(lambda: _blocked(x, t, out))
     whole = best_ms(lambda: F.linear(x, t.dequantize()))
-    return f"| {N} x {K} | {f32:.2f} | {path:.2f} ({f32 / path:.2f}x) | {whole:.2f} |"
+    return (
+        f"| {N} x {K} | {f32:.2f} | {path:.2f} ({f32 / path:.2f}x) "
+        f"| {blocks:.2f} ({f32 / blocks:.2f}x) | {whole:.2f} |"
+    )
 
 
 def moe_row(T: int, isas: list[bool], g: torch.Generator) -> str:
@@ -145,8 +151,11 @@ def main() -> None:
     for T in (1, 32):
         print(moe_row(T, isas, g), flush=True)
     print(f"\nprefill, M={args.prefill_rows} rows (ms)")
-    print("| weight (N x K) | fp32 F.linear | int8 path | dequantize all + F.linear |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| weight (N x K) | fp32 F.linear | int8 path | int8 blocks + MKL (AVX2 path) "
+        "| dequantize all + F.linear |"
+    )
+    print("|---|---:|---:|---:|---:|")
     for N, K in SHAPES:
         print(prefill_row(N, K, args.prefill_rows, g), flush=True)
 

@@ -11,6 +11,10 @@ groups; each way computes the same sorted rows:
   rest in one kernel call: the default of the AVX2 kernel (``MKL_MIN_ROWS``);
 - ``mkl loop``: every group through ``F.linear`` (as the per-expert loop of ``layers.moe``).
 
+``--format int8`` quantizes the same weights per output row (``quant/int8.py``) and times
+``ops/cpu/int8.moe_experts`` the same three ways: MKL groups are dequantized first, and the
+AVX-512 packed path converts int8 to fp32 while it packs; the GFLOP/s are the fp32 FLOPs.
+
 ``MOESERVE_CPU_AVX512=0 MKL_ENABLE_INSTRUCTIONS=AVX2`` measures an AVX2-only CPU's choice on
 an AVX-512 one.
 
@@ -18,7 +22,7 @@ The ways alternate inside each repeat (the machine's speed drifts); the table sh
 median time and GFLOP/s of each and its ratio to ``kernel``.
 
     python benchmarks/moe_prefill.py [--tokens 512 1024 2048] [--repeats 8]
-                                     [--mkl-min-rows 64] [--threads 2]
+                                     [--format fp32|int8] [--mkl-min-rows 64] [--threads 2]
                                      [--out bench_out/moe_prefill.json]
 """
 
@@ -36,8 +40,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from moeserve.ops.cpu import kernels  # noqa: E402
+from moeserve.ops.cpu import int8, kernels  # noqa: E402
 from moeserve.ops.cpu.hugepages import huge_page_zeros  # noqa: E402
+from moeserve.quant.int8 import Int8Tensor, quantize_rows  # noqa: E402
 
 E, D, F, TOP_K, SETS = 64, 1024, 512, 6, 3
 
@@ -60,38 +65,43 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--format", choices=["fp32", "int8"], default="fp32")
     ap.add_argument(
         "--mkl-min-rows",
         type=int,
-        default=kernels.MKL_MIN_ROWS,
-        help="the threshold of the kernel+mkl way (the default: the AVX2 kernel's)",
+        default=None,
+        help="the threshold of the kernel+mkl way (the default: the format's AVX2 kernel's)",
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench_out" / "moe_prefill.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not kernels.available():
+    lib = int8 if args.format == "int8" else kernels
+    if not lib.available():
         sys.exit("the CPU kernels are not available here")
+    mkl_min_rows = lib.MKL_MIN_ROWS if args.mkl_min_rows is None else args.mkl_min_rows
     g = torch.Generator().manual_seed(0)
-    weights = [
-        (
-            huge(torch.randn(E + 1, 2 * F, D, generator=g) * 0.03),
-            huge(torch.randn(E + 1, D, F, generator=g) * 0.03),
-        )
-        for _ in range(SETS)
-    ]
-    # each way is kernels.moe_experts with its own threshold for this CPU's kernel (None:
-    # every group in the kernel, 1: every group through MKL)
-    thresholds = {"kernel": None, "kernel+mkl": args.mkl_min_rows, "mkl loop": 1}
-    attr = "MKL_MIN_ROWS_WIDE" if kernels.wide() else "MKL_MIN_ROWS"
-    default_min = getattr(kernels, attr)
+
+    def weight(*shape: int):
+        w = torch.randn(*shape, generator=g) * 0.03
+        if args.format == "fp32":
+            return huge(w)
+        q, scale = quantize_rows(w)
+        return Int8Tensor(huge(q), scale)
+
+    weights = [(weight(E + 1, 2 * F, D), weight(E + 1, D, F)) for _ in range(SETS)]
+    # each way is the format's moe_experts with its own threshold for this CPU's kernel
+    # (None: every group in the kernel, 1: every group through MKL)
+    thresholds = {"kernel": None, "kernel+mkl": mkl_min_rows, "mkl loop": 1}
+    attr = "MKL_MIN_ROWS_WIDE" if lib.wide() else "MKL_MIN_ROWS"
+    default_min = getattr(lib, attr)
 
     def run(name, x, experts, counts, w13, w2, wr):
-        setattr(kernels, attr, thresholds[name])
+        setattr(lib, attr, thresholds[name])
         try:
-            return kernels.moe_experts(x, experts, counts, w13, w2, wr)
+            return lib.moe_experts(x, experts, counts, w13, w2, wr)
         finally:
-            setattr(kernels, attr, default_min)
+            setattr(lib, attr, default_min)
 
     names = list(thresholds)
     rows = []
@@ -122,7 +132,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(
         threads=args.threads,
-        mkl_min_rows=args.mkl_min_rows,
+        format=args.format,
+        mkl_min_rows=mkl_min_rows,
         machine=platform.processor() or platform.machine(),
         rows=rows,
     )

@@ -21,7 +21,7 @@ from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import attention as cpu_attention
-from moeserve.ops.prefill_attention import causal_attention
+from moeserve.ops.prefill_attention import causal_attention_parts
 
 
 class GQAttention(nn.Module):
@@ -114,15 +114,15 @@ class GQAttention(nn.Module):
                 if chunk.slots_L is None
                 else self.kv_cache.index_select(0, chunk.slots_L)
             )
-            out_THD[rows] = self._attend_prefill(q_THD[rows], ctx_L2GD)
+            self._attend_prefill(q_THD[rows], ctx_L2GD, out_THD[rows])
         return self.o_proj(out_THD.view(T, self.q_size))
 
-    def _attend_prefill(self, q_THD: torch.Tensor, ctx_L2GD: torch.Tensor) -> torch.Tensor:
-        rep = self.H // self.G
-        k_HLD = ctx_L2GD[:, 0].repeat_interleave(rep, dim=1).transpose(0, 1)
-        v_HLD = ctx_L2GD[:, 1].repeat_interleave(rep, dim=1).transpose(0, 1)
-        out_HTD = causal_attention(q_THD.transpose(0, 1), k_HLD, v_HLD, self.scale)
-        return out_HTD.transpose(0, 1)
+    def _attend_prefill(
+        self, q_THD: torch.Tensor, ctx_L2GD: torch.Tensor, out_THD: torch.Tensor
+    ) -> torch.Tensor:
+        """One sequence's chunk (queries the last T of its L positions) into ``out_THD``."""
+        k_LGD, v_LGD = ctx_L2GD[:, 0], ctx_L2GD[:, 1]
+        return causal_attention_parts(q_THD, k_LGD, None, v_LGD, self.scale, out_THD)
 
     def _attend_decode(
         self, q_BHD: torch.Tensor, meta: AttentionMetadata, out_BHD: torch.Tensor

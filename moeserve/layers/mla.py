@@ -33,7 +33,7 @@ from moeserve.ops.cpu import attention as cpu_attention
 from moeserve.ops.cpu import kernels as cpu_kernels
 from moeserve.ops.cpu import rope as rope_kernels
 from moeserve.ops.linear import BoundLinear
-from moeserve.ops.prefill_attention import causal_attention
+from moeserve.ops.prefill_attention import causal_attention_parts
 from moeserve.quant.int8 import dense
 
 
@@ -145,8 +145,8 @@ class MLAttention(nn.Module):
         )
         q_nope_THN, q_pe_THR = q_THK.split([self.N, self.R], dim=-1)
         latent_T = None  # this step's latent rows, when they are not read back from the cache
-        if not fused:  # the reference path
-            q_pe_THR = rot(positions_T, q_pe_THR)
+        if not fused:  # the reference path (q_pe roped in q_THK too, as the C call does)
+            q_pe_THR.copy_(rot(positions_T, q_pe_THR))
             c_kv_TC = norm(qkv_a[:, Q : Q + self.C])
             k_pe_TR = rot(positions_T, qkv_a[:, Q + self.C :])
             latent_T = torch.cat((c_kv_TC, k_pe_TR), dim=-1)
@@ -170,22 +170,21 @@ class MLAttention(nn.Module):
                 )
             else:
                 ctx_LK = self.kv_cache.index_select(0, chunk.slots_L)
-            out_THV[rows] = self.forward_naive(q_nope_THN[rows], q_pe_THR[rows], ctx_LK)
+            self.forward_naive(q_THK[rows], ctx_LK, out_THV[rows])
         return self.o_proj(out_THV.view(T, self.H * self.V))
 
     def forward_naive(
-        self, q_nope_THN: torch.Tensor, q_pe_THR: torch.Tensor, ctx_LK: torch.Tensor
+        self, q_THK: torch.Tensor, ctx_LK: torch.Tensor, out_THV: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One sequence's chunk: queries are the last T of its L context positions."""
+        """One sequence's chunk: queries (``[q_nope | q_pe]`` per head, roped) are the last T
+        of its L context positions; the latent rows expand into per-head k_nope and values,
+        k_pe is shared by all heads. Written into ``out_THV`` when given."""
         L = ctx_LK.shape[0]
         c_kv_LC, k_pe_LR = ctx_LK.split([self.C, self.R], dim=-1)
         kv_LHK = self.kv_b_proj(c_kv_LC).view(L, self.H, self.N + self.V)
         k_nope_LHN, v_LHV = kv_LHK.split([self.N, self.V], dim=-1)
-        k_HLK = torch.cat((k_nope_LHN, k_pe_LR[:, None, :].expand(L, self.H, self.R)), dim=-1)
-        k_HLK = k_HLK.transpose(0, 1)
-        q_HTK = torch.cat((q_nope_THN, q_pe_THR), dim=-1).transpose(0, 1)
-        out_HTV = causal_attention(q_HTK, k_HLK, v_LHV.transpose(0, 1), self.scale)
-        return out_HTV.transpose(0, 1)
+        k_pe_LHR = k_pe_LR[:, None, :].expand(L, self.H, self.R)
+        return causal_attention_parts(q_THK, k_nope_LHN, k_pe_LHR, v_LHV, self.scale, out_THV)
 
     def forward_absorbed(
         self, q_nope_BHN: torch.Tensor, q_pe_BHR: torch.Tensor, meta: AttentionMetadata

@@ -1,14 +1,20 @@
-"""Causal attention of a prefill chunk: ``causal_attention(q_HTK, k_HLK, v_HLV, scale)``.
+"""Causal attention of a prefill chunk.
 
-Shape legend: H heads, T queries (the last T of the L context positions), L keys, K q/k head
-dim, V value head dim, Q a block of queries.
+Shape legend: H heads, G kv heads, T queries (the last T of the L context positions), L keys,
+K q/k head dim, V value head dim, Q a block of queries, D1 and D2 the two parts of a key.
+
+:func:`causal_attention_parts` is what the layers call: keys given as two parts (MLA's
+per-head k_nope and its k_pe shared by all heads; GQA's keys alone) and kv heads shared by
+groups of query heads. On a CPU with AVX-512F it runs the kernel of
+``ops/cpu/prefill_attention.c`` (packed key panels, no concatenated or repeated copies).
+Otherwise it builds per-head keys and values and calls :func:`causal_attention`.
 
 On CPU, torch's ``scaled_dot_product_attention`` runs at ~70 GFLOP/s here and computes the
-masked half of the square too. The blocked form below takes blocks of Q queries; each block
-multiplies only against the keys it can see (MKL ``bmm``), masks its diagonal part, softmaxes
-in place and multiplies by the values: 3x faster at 512 tokens and 4x at 2048 on this
-machine (docs/benchmarks.md). Elsewhere (CUDA) SDPA with the same mask is used; it is also the
-reference (:func:`causal_attention_ref`).
+masked half of the square too. :func:`causal_attention`, the blocked form, takes blocks of Q
+queries; each block multiplies only against the keys it can see (MKL ``bmm``), masks its
+diagonal part, softmaxes in place and multiplies by the values: 3x faster at 512 tokens and
+4x at 2048 on this machine (docs/benchmarks.md). Elsewhere (CUDA) SDPA with the same mask is
+used; it is also the reference (:func:`causal_attention_ref`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.layers.attention_meta import causal_bias
+from moeserve.ops.cpu import prefill_attention as kernel
 
 _SCORE_ELEMS = 1 << 22  # fp32 scores per block (16 MB): bounds the block at long contexts
 
@@ -53,3 +60,31 @@ def causal_attention(
         torch.softmax(scores_HQL, dim=-1, out=scores_HQL)
         torch.bmm(scores_HQL, v_HLV[:, :end], out=out_HTV[:, s:e])
     return out_HTV
+
+
+def causal_attention_parts(
+    q_THK: torch.Tensor,
+    k1_LGD: torch.Tensor,
+    k2_LGD: torch.Tensor | None,
+    v_LGV: torch.Tensor,
+    scale: float,
+    out_THV: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[T, H, V]`` causal attention where query head h uses kv head ``h // (H // G)``, whose
+    keys are ``[k1 | k2]`` (``k2_LGD`` None: ``k1`` alone; it may be an expanded view, head
+    stride 0) and ``q_THK`` holds the matching D1 + D2 values; written into ``out_THV`` when
+    given."""
+    got = kernel.causal_attention(q_THK, k1_LGD, k2_LGD, v_LGV, scale, out_THV)
+    if got is not None:
+        return got
+    L, G = k1_LGD.shape[:2]
+    rep = q_THK.shape[1] // G
+    k_LGK = k1_LGD if k2_LGD is None else torch.cat((k1_LGD, k2_LGD.expand(L, G, -1)), dim=-1)
+    if rep > 1:
+        k_LGK, v_LGV = k_LGK.repeat_interleave(rep, dim=1), v_LGV.repeat_interleave(rep, dim=1)
+    out_HTV = causal_attention(
+        q_THK.transpose(0, 1), k_LGK.transpose(0, 1), v_LGV.transpose(0, 1), scale
+    )
+    if out_THV is None:
+        return out_HTV.transpose(0, 1)
+    return out_THV.copy_(out_HTV.transpose(0, 1))

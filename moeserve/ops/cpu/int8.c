@@ -25,6 +25,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "common.h"
 
@@ -96,6 +97,21 @@ typedef __m512 vf_avx512;
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 #define VLOADQ(q) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q))))
 #include "int8.c" /* this file: its body, for this ISA */
+
+/* y[:M, :nc] = (x @ q^T) * s through the decode panels: moe_packed.h's few-row path */
+static void rows_q8(int64_t M, int64_t K, const float *x, int64_t ldx, const int8_t *q,
+                    int64_t ldq, const float *s, int nc, float *y, int64_t ldy) {
+    for (int r = 0; r < nc; r += PANEL)
+        panel_rows_avx512(M, K, x, ldx, q + r * ldq, ldq, s + r, nc - r < PANEL ? nc - r : PANEL,
+                          y + r, ldy);
+}
+
+/* prefill MoE: experts with many rows through packed panels, converted while packing */
+#define PK_T int8_t
+#define PK_SFX _q8
+#define PK_PACK(K, w, ldw, s, nc, buf) pack_panel_q8(K, w, ldw, s, nc, buf)
+#define PK_ROWS(M, K, x, ldx, w, ldw, s, nc, y, ldy) rows_q8(M, K, x, ldx, w, ldw, s, nc, y, ldy)
+#include "moe_packed.h"
 #pragma GCC pop_options
 
 void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
@@ -115,16 +131,28 @@ void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x
  *   y_g = route_w_g * (a @ q2[e]^T) * s2[e]
  * q13 is [E, 2F, D] int8 with s13 [E, 2F]; q2 is [E, D, F] with s2 [E, D]; all contiguous.
  * h is scratch of [rows, 2F]. One parallel region: the threads share out the weight panels
- * of all experts at once. */
+ * of all experts at once. Any number of rows per expert: with AVX-512 and an expert of
+ * PACK_MIN_ROWS rows or more (prefill), moe_panels_q8 (moe_packed.h). */
 void moeserve_int8_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
                              const int64_t *count, int64_t D, int64_t F, const float *x,
                              const int8_t *q13, const float *s13, const int8_t *q2,
                              const float *s2, const float *route_w, float *h, float *y,
                              int wide) {
-    if (wide)
+    int64_t most = 0;
+    for (int64_t g = 0; g < n_groups; g++) most = count[g] > most ? count[g] : most;
+    if (wide && most >= PACK_MIN_ROWS)
+        moe_panels_q8(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
+    else if (wide)
         moe_avx512(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
     else
         moe_avx2(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
+}
+
+/* y[:M, :N] = (x @ q^T) * scale for many rows (prefill), AVX-512F only: the packed panels of
+ * moe_packed.h (q is [N, K] with unit-stride rows K apart), converted while packing. */
+void moeserve_int8_gemm_panels(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                               const int8_t *q, const float *scale, float *y, int64_t ldy) {
+    gemm_panels_q8(M, N, K, x, ldx, q, scale, y, ldy);
 }
 
 /* out[n, :] = q[n, :] * scale[n] for rows [0, N): the dequantized fp32 weight block that a

@@ -19,11 +19,19 @@ import torch.nn.functional as F
 
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.build import I64, INT, PTR
-from moeserve.ops.cpu.kernels import few_rows, moe_call_buffers, wide  # shared with fp32
+from moeserve.ops.cpu.kernels import few_rows, moe_call_split, wide  # shared with fp32
 from moeserve.quant.int8 import Int8Tensor
 
 _SOURCE = Path(__file__).with_name("int8.c")
 MAX_ROWS = 64
+# In one MoE call, an expert with at least this many rows is dequantized and runs as two MKL
+# GEMMs instead of in the kernel (kernels.MKL_MIN_ROWS is the fp32 twin). With the AVX2
+# kernel (benchmarks/moe_prefill.py --format int8 with MKL limited to AVX2 too) from 64 rows:
+# 2048 tokens 1.41x the kernel alone, 512 tokens (only the folded shared expert) 1.07x, while
+# 16 rows lost 3-4%. With AVX-512 never (None): the call's packed-panel path (moe_packed.h)
+# converts while packing, 1.8x dequantize + MKL at 512 tokens.
+MKL_MIN_ROWS: int | None = 64
+MKL_MIN_ROWS_WIDE: int | None = None
 
 
 def linear_int8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -67,6 +75,7 @@ def _library() -> ctypes.CDLL | None:
         *(I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, INT),
     )
     build.declare(lib, "moeserve_int8_dequant", I64, I64, PTR, I64, PTR, PTR, I64)
+    build.declare(lib, "moeserve_int8_gemm_panels", I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64)
     return lib
 
 
@@ -118,6 +127,47 @@ def gemm_nt(
     return out
 
 
+def panels_usable(x: torch.Tensor, w: Int8Tensor) -> bool:
+    """Whether :func:`gemm_panels` runs for these operands: fp32 ``x [M, K]`` on the CPU with
+    unit-stride rows, ``w`` with its rows back to back, AVX-512F."""
+    return (
+        x.dim() == 2
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.shape[0] > 0
+        and x.stride(1) == 1
+        and _rows_ok(w)
+        and w.q.is_contiguous()
+        and wide()
+        and available()
+    )
+
+
+def gemm_panels(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x @ w.q.T) * w.scale`` for many rows (prefill) through the packed panels of
+    ``moe_packed.h``: each 64-row panel of ``w`` converted, scaled and transposed once into an
+    fp32 buffer, then outer-product tiles of 6 rows of ``x`` over it (1.2-1.9x dequantizing
+    blocks for MKL at 512 rows: docs/benchmarks.md). ``out`` ([M, N] fp32, unit-stride rows)
+    receives the result when given. The caller checks :func:`panels_usable`; the reference is
+    :func:`linear_int8_ref`."""
+    M, K = x.shape
+    N = w.q.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32)
+    _library().moeserve_int8_gemm_panels(
+        M,
+        N,
+        K,
+        x.data_ptr(),
+        x.stride(0),
+        w.q.data_ptr(),
+        w.scale.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+    )
+    return out
+
+
 def dequantize_into(w: Int8Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[:] = w.q * w.scale[:, None]`` (fp32 ``[N, K]``, unit-stride rows) with the kernel;
     the reference is ``Int8Tensor.dequantize``. The caller checks :func:`available`."""
@@ -129,9 +179,9 @@ def dequantize_into(w: Int8Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def moe_usable(x_RD: torch.Tensor, counts: list[int], w13: Int8Tensor, w2: Int8Tensor) -> bool:
-    """Whether :func:`moe_experts` runs the kernel for these operands."""
+    """Whether :func:`moe_experts` runs for these operands (any number of rows per expert)."""
     return (
-        0 < max(counts, default=0) <= MAX_ROWS
+        0 < max(counts, default=0)
         and x_RD.dtype == torch.float32
         and x_RD.device.type == "cpu"
         and x_RD.is_contiguous()
@@ -139,6 +189,12 @@ def moe_usable(x_RD: torch.Tensor, counts: list[int], w13: Int8Tensor, w2: Int8T
         and w13.q.device.type == "cpu"
         and available()
     )
+
+
+def mkl_min_rows(avx512: bool | None = None) -> int | None:
+    """Rows from which an expert of an int8 MoE call is dequantized and runs through MKL
+    (None: never) for the ISA ``avx512`` picks (:func:`wide` by default)."""
+    return MKL_MIN_ROWS_WIDE if (wide() if avx512 is None else avx512) else MKL_MIN_ROWS
 
 
 def moe_experts(
@@ -151,25 +207,39 @@ def moe_experts(
     avx512: bool | None = None,
 ) -> torch.Tensor:
     """Rows of ``x_RD`` sorted by expert through their experts' gated FFN (int8 ``w13``
-    ``[E, 2F, D]``, ``w2`` ``[E, D, F]``), each times its routing weight, in one kernel call;
-    ``avx512`` overrides :func:`wide`. The reference is :func:`moe_int8_ref`."""
+    ``[E, 2F, D]``, ``w2`` ``[E, D, F]``), each times its routing weight; ``avx512`` overrides
+    :func:`wide`. Experts of :func:`mkl_min_rows` rows or more are dequantized and run as two
+    MKL GEMMs, the rest in one kernel call. The reference is :func:`moe_int8_ref`."""
     D, F_ = x_RD.shape[1], w2.q.shape[2]
-    meta, weight_R, h, y = moe_call_buffers(x_RD.shape[0], D, F_, experts, counts, weight_R)
-    _library().moeserve_int8_moe_small(
-        len(experts),
-        meta[0].data_ptr(),
-        meta[1].data_ptr(),
-        meta[2].data_ptr(),
-        D,
-        F_,
-        x_RD.data_ptr(),
-        w13.q.data_ptr(),
-        w13.scale.data_ptr(),
-        w2.q.data_ptr(),
-        w2.scale.data_ptr(),
-        weight_R.data_ptr(),
-        h.data_ptr(),
-        y.data_ptr(),
-        int(wide() if avx512 is None else avx512),
+    meta, weight_R, h, y, big = moe_call_split(
+        x_RD.shape[0], D, F_, experts, counts, weight_R, mkl_min_rows(avx512)
     )
+    if meta.shape[1]:
+        _library().moeserve_int8_moe_small(
+            meta.shape[1],
+            meta[0].data_ptr(),
+            meta[1].data_ptr(),
+            meta[2].data_ptr(),
+            D,
+            F_,
+            x_RD.data_ptr(),
+            w13.q.data_ptr(),
+            w13.scale.data_ptr(),
+            w2.q.data_ptr(),
+            w2.scale.data_ptr(),
+            weight_R.data_ptr(),
+            h.data_ptr(),
+            y.data_ptr(),
+            int(wide() if avx512 is None else avx512),
+        )
+    if big:
+        b13 = torch.empty(w13.shape[1:], dtype=torch.float32)
+        b2 = torch.empty(w2.shape[1:], dtype=torch.float32)
+        for i, first in big:
+            rows = slice(first, first + counts[i])
+            gate, up = F.linear(x_RD[rows], dequantize_into(w13[experts[i]], b13)).chunk(2, -1)
+            torch.matmul(
+                F.silu(gate).mul_(up), dequantize_into(w2[experts[i]], b2).t(), out=y[rows]
+            )
+            y[rows] *= weight_R[rows, None]
     return y

@@ -130,7 +130,22 @@ typedef __m512 vf_avx512;
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 #include "kernels.c" /* this file: its body, for this ISA */
-#include "moe_packed.h" /* prefill MoE: experts with many rows through packed panels */
+
+/* y[:M, :nc] = x @ w^T through the decode jobs of NJ rows: moe_packed.h's few-row path */
+static void rows_f32(int64_t M, int64_t K, const float *x, int64_t ldx, const float *w,
+                     int64_t ldw, int nc, float *y, int64_t ldy) {
+    const int64_t pf = prefetch_ahead(ldw), pf4 = prefetch_ahead4_avx512(ldw);
+    for (int q = 0; q < nc; q += NJ)
+        job_rows_avx512(M, K, x, ldx, w + q * ldw, ldw, nc - q < NJ ? nc - q : NJ, y + q, ldy,
+                        pf, pf4);
+}
+
+/* prefill MoE: experts with many rows through packed panels */
+#define PK_T float
+#define PK_SFX _f32
+#define PK_PACK(K, w, ldw, s, nc, buf) pack_panel(K, w, ldw, nc, buf)
+#define PK_ROWS(M, K, x, ldx, w, ldw, s, nc, y, ldy) rows_f32(M, K, x, ldx, w, ldw, nc, y, ldy)
+#include "moe_packed.h"
 #pragma GCC pop_options
 
 void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
@@ -149,7 +164,7 @@ void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int
  * w13 is [E, 2F, D] and w2 [E, D, F], both contiguous; h is scratch of [rows, 2F]. One
  * parallel region: the threads share out the weight row pairs of all experts at once (three
  * barriers per layer instead of two parallel regions per expert). With AVX-512 and an expert
- * of PACK_MIN_ROWS rows or more, moe_panels (moe_packed.h). */
+ * of PACK_MIN_ROWS rows or more, moe_panels_f32 (moe_packed.h). */
 void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
                         const int64_t *count, int64_t D, int64_t F, const float *x,
                         const float *w13, const float *w2, const float *route_w, float *h,
@@ -157,11 +172,18 @@ void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *
     int64_t most = 0;
     for (int64_t g = 0; g < n_groups; g++) most = count[g] > most ? count[g] : most;
     if (wide && most >= PACK_MIN_ROWS)
-        moe_panels(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
+        moe_panels_f32(n_groups, expert, start, count, D, F, x, w13, 0, w2, 0, route_w, h, y);
     else if (wide && most >= WIDE_MIN_ROWS)
         moe_avx512(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
     else
         moe_avx2(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
+}
+
+/* y[:M, :N] = x @ w^T for many rows, AVX-512F only: the packed panels of moe_packed.h (w is
+ * [N, K] with unit-stride rows K apart). */
+void moeserve_gemm_panels(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                          const float *w, float *y, int64_t ldy) {
+    gemm_panels_f32(M, N, K, x, ldx, w, 0, y, ldy);
 }
 
 /* Per-head few-row GEMMs, one call for all heads: y[h] = x[h] @ w[h]^T for h < Hh, with

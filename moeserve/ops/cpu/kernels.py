@@ -178,6 +178,33 @@ def moe_call_buffers(
     return meta, weight_R.to(torch.float32).contiguous(), h, y
 
 
+def moe_call_split(
+    R: int,
+    D: int,
+    F: int,
+    experts: list[int],
+    counts: list[int],
+    weight_R: torch.Tensor,
+    least: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """:func:`moe_call_buffers` for the groups (rows sorted by expert, back to back) of fewer
+    than ``least`` rows (None: every group), which one kernel call takes, and ``(index, first
+    row)`` of each other group, which the caller runs through MKL into the same output."""
+    starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    big = [least is not None and n >= least for n in counts]
+    small = [i for i, b in enumerate(big) if not b]
+    meta, weight32_R, h, y = moe_call_buffers(
+        R,
+        D,
+        F,
+        [experts[i] for i in small],
+        [counts[i] for i in small],
+        weight_R,
+        starts=[starts[i] for i in small],
+    )
+    return meta, weight32_R, h, y, [(i, starts[i]) for i, b in enumerate(big) if b]
+
+
 def moe_experts(
     x_RD: torch.Tensor,
     experts: list[int],
@@ -192,20 +219,10 @@ def moe_experts(
     Experts of :func:`mkl_min_rows` rows or more run as two MKL GEMMs, the rest in one kernel
     call. The reference is the loop in ``layers/moe.py: moe_grouped``."""
     D, F = x_RD.shape[1], w2_EDF.shape[2]
-    starts = list(itertools.accumulate(counts, initial=0))[:-1]
-    least = mkl_min_rows(avx512)
-    to_mkl = [least is not None and n >= least for n in counts]
-    small = [i for i, big in enumerate(to_mkl) if not big]
-    meta, weight_R, h, y = moe_call_buffers(
-        x_RD.shape[0],
-        D,
-        F,
-        [experts[i] for i in small],
-        [counts[i] for i in small],
-        weight_R,
-        starts=[starts[i] for i in small],
+    meta, weight_R, h, y, big = moe_call_split(
+        x_RD.shape[0], D, F, experts, counts, weight_R, mkl_min_rows(avx512)
     )
-    if small:
+    if meta.shape[1]:
         _library().moeserve_moe_small(
             meta.shape[1],
             meta[0].data_ptr(),
@@ -221,8 +238,8 @@ def moe_experts(
             y.data_ptr(),
             _wide(avx512),
         )
-    for i in (i for i, big in enumerate(to_mkl) if big):
-        rows = slice(starts[i], starts[i] + counts[i])
+    for i, first in big:
+        rows = slice(first, first + counts[i])
         gate, up = F_.linear(x_RD[rows], w13_EFD[experts[i]]).chunk(2, dim=-1)
         torch.matmul(F_.silu(gate).mul_(up), w2_EDF[experts[i]].t(), out=y[rows])
         y[rows] *= weight_R[rows, None]

@@ -1,145 +1,102 @@
-/* The AVX-512 MoE layer for prefill: experts with many rows through packed weight panels.
+/* Many-row GEMMs on AVX-512 through packed panels: prefill's MoE layer and int8 projections.
  *
- * Included by kernels.c inside its AVX-512F section, after the fp32 body (it uses
- * job_rows_avx512 and the helpers of common.h); not a translation unit of its own.
+ * Included inside an AVX-512F section once per weight format, after that format's kernels:
+ * by kernels.c for fp32 weights and by int8.c for int8 ones (not a translation unit of its
+ * own). The panels and the tile are panels.h's. The includer defines
+ *   PK_T                  the weight element (float, int8_t)
+ *   PK_SFX                the suffix of this format's functions (moe_panels##PK_SFX)
+ *   PK_PACK(K, w, ldw, s, nc, buf)
+ *                         the panel of nc weight rows at w (stride ldw), times their output
+ *                         scales s[c] when s is given (int8), as fp32 into buf [K, PK_NR]
+ *   PK_ROWS(M, K, x, ldx, w, ldw, s, nc, y, ldy)
+ *                         y[:M, :nc] = x @ w^T (times s): the format's few-row kernel, for
+ *                         experts of fewer than PACK_MIN_ROWS rows
+ * and this file undefines them at its end.
  *
  * The decode kernels dot weight rows with token rows along K (4 weight rows x 6 token rows,
  * 24 accumulators, then a horizontal reduction): the weight streams from memory once, which is
  * what few rows need. With tens of rows per expert (prefill: T x top_k / E) the work is the
  * FMAs, and there that form reaches ~60-85 GFLOP/s per core of the ~155 peak. Here a job is a
- * panel of NR = 64 weight rows (output columns): it is transposed once into a [K, 64] buffer
- * (16 x 16 register transposes; the buffer stays in L2), then every block of MR = 6 token rows
- * runs an outer product over it: per k, 4 loads of the panel, 6 broadcasts of x and 24 FMAs
- * into a [6, 64] tile of accumulators, no reduction. Measured on one prefill MoE layer of the
- * benchmark model (routed experts, 2 threads, docs/benchmarks.md "Prefill MoE"): 48 rows per
- * expert 84 -> 71 ms, 24 rows 47 -> 44 ms; 12 rows 8% slower, hence PACK_MIN_ROWS.
+ * panel of 64 weight rows, packed once and then tiled over all of the expert's token rows
+ * (panels.h). Measured on one prefill MoE layer of the benchmark model (routed experts, 2
+ * threads, docs/benchmarks.md "Prefill MoE"): 48 rows per expert 84 -> 71 ms, 24 rows
+ * 47 -> 44 ms; 12 rows 8% slower, hence PACK_MIN_ROWS.
  */
-#ifndef MOESERVE_MOE_PACKED_H
-#define MOESERVE_MOE_PACKED_H
+#include "panels.h"
 
-#define PK_NV 4             /* vectors of 16 per panel row */
-#define PK_NR (16 * PK_NV) /* weight rows (output columns) per panel */
-#define PK_MR 6             /* token rows per tile: 6 x 4 accumulators */
+#ifndef MOESERVE_PANEL_ROWS
+#define MOESERVE_PANEL_ROWS
 #ifndef PACK_MIN_ROWS
-#define PACK_MIN_ROWS 24 /* an expert's rows from which its jobs pack (fewer: job_rows) */
+#define PACK_MIN_ROWS 24 /* rows of x from which a job packs its panel (fewer: PK_ROWS) */
 #endif
 
-/* 16 vectors transposed in place: r[j][i] <- r[i][j] */
-static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m512d a0 = _mm512_castps_pd(t[4 * i]), a1 = _mm512_castps_pd(t[4 * i + 1]);
-        const __m512d a2 = _mm512_castps_pd(t[4 * i + 2]), a3 = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
-            t[8 * i + j + 4] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0xDD);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
-    }
+/* nr weight rows of K elements (row stride K) at w, with their output scales s (int8) */
+struct panel_rows {
+    const void *w;
+    const float *s;
+    int64_t row_bytes;
+    int nr;
+};
+#endif
+
+/* ---- this format's jobs and MoE call ---- */
+#define PK_CAT_(a, b) a##b
+#define PK_CAT(a, b) PK_CAT_(a, b)
+
+/* job `job` of a projection with N output rows of K elements per expert (jobs of PK_NR rows
+ * per expert): its group g, first output row n0, and weight rows (w: [E, N, K] weights, s:
+ * [E, N] scales or 0) */
+static inline struct panel_rows PK_CAT(panel_of, PK_SFX)(int64_t job, int64_t jobs,
+                                                        const int64_t *expert, const PK_T *w,
+                                                        const float *s, int64_t N, int64_t K,
+                                                        int64_t *g, int64_t *n0) {
+    *g = job / jobs;
+    *n0 = PK_NR * (job % jobs);
+    const int64_t row = expert[*g] * N + *n0;
+    const struct panel_rows r = {w + row * K, s ? s + row : 0, K * (int64_t)sizeof(PK_T),
+                                 N - *n0 < PK_NR ? (int)(N - *n0) : PK_NR};
+    return r;
 }
 
-/* buf[k * PK_NR + c] = w[c * ldw + k] for c < nc (<= PK_NR; columns past nc are 0), k < K */
-static void pack_panel(int64_t K, const float *w, int64_t ldw, int nc, float *buf) {
-    const int64_t K16 = K - K % 16;
-    for (int v = 0; v < PK_NV; v++) {
-        for (int64_t k = 0; k < K16; k += 16) {
-            __m512 r[16];
-            for (int j = 0; j < 16; j++) {
-                const int c = 16 * v + j;
-                r[j] = c < nc ? _mm512_loadu_ps(w + c * ldw + k) : _mm512_setzero_ps();
-            }
-            transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_store_ps(buf + (k + j) * PK_NR + 16 * v, r[j]);
-        }
-    }
-    for (int64_t k = K16; k < K; k++)
-        for (int c = 0; c < PK_NR; c++) buf[k * PK_NR + c] = c < nc ? w[c * ldw + k] : 0.0f;
-}
-
-/* y[i, 0:nc] = (x[i] . panel) * (scale ? scale[i] : 1) for the mr (<= PK_MR) rows at x */
-static inline __attribute__((always_inline)) void panel_tile(const int mr, int64_t K,
-                                                             const float *x, int64_t ldx,
-                                                             const float *buf, float *y,
-                                                             int64_t ldy, int nc,
-                                                             const float *scale) {
-    __m512 c[PK_MR][PK_NV];
-    for (int i = 0; i < PK_MR; i++)
-        for (int v = 0; v < PK_NV; v++) c[i][v] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m512 b[PK_NV];
-#pragma GCC unroll 4
-        for (int v = 0; v < PK_NV; v++) b[v] = _mm512_load_ps(buf + k * PK_NR + 16 * v);
-#pragma GCC unroll 6
-        for (int i = 0; i < PK_MR; i++) {
-            if (i < mr) {
-                const __m512 xi = _mm512_set1_ps(x[i * ldx + k]);
-#pragma GCC unroll 4
-                for (int v = 0; v < PK_NV; v++) c[i][v] = _mm512_fmadd_ps(xi, b[v], c[i][v]);
-            }
-        }
-    }
-    for (int i = 0; i < PK_MR; i++) {
-        if (i >= mr) break;
-        if (scale) {
-            const __m512 s = _mm512_set1_ps(scale[i]);
-            for (int v = 0; v < PK_NV; v++) c[i][v] = _mm512_mul_ps(c[i][v], s);
-        }
-        if (nc == PK_NR) {
-            for (int v = 0; v < PK_NV; v++) _mm512_storeu_ps(y + i * ldy + 16 * v, c[i][v]);
-        } else {
-            float row[PK_NR];
-            for (int v = 0; v < PK_NV; v++) _mm512_storeu_ps(row + 16 * v, c[i][v]);
-            for (int n = 0; n < nc; n++) y[i * ldy + n] = row[n];
-        }
-    }
-}
-
-/* One job: the nc (<= PK_NR) weight rows at w (stride ldw) against the M token rows at x into
- * y[:, 0:nc], each output row scaled by scale[i] when scale is given. Packed when M is large
- * enough and there is a buffer, otherwise the decode kernels' jobs of NJ rows. */
-static void panel_job(int64_t M, int64_t K, const float *x, int64_t ldx, const float *w,
-                      int64_t ldw, int nc, float *y, int64_t ldy, const float *scale,
-                      float *buf) {
+/* One job: the weight rows r (K elements each) against the M token rows at x into
+ * y[:, 0:r.nr], each output row scaled by scale[i] when scale is given. Packed when M is
+ * large enough and there is a buffer, otherwise PK_ROWS. next: the weight rows of the
+ * thread's next job (next->w 0: none), prefetched during the tiles. */
+static void PK_CAT(panel_job, PK_SFX)(int64_t M, int64_t K, const float *x, int64_t ldx,
+                                      const struct panel_rows *r, float *y, int64_t ldy,
+                                      const float *scale, float *buf,
+                                      const struct panel_rows *next) {
+    const PK_T *w = (const PK_T *)r->w;
+    const int nc = r->nr;
     if (M >= PACK_MIN_ROWS && buf) {
-        pack_panel(K, w, ldw, nc, buf);
+        PK_PACK(K, w, K, r->s, nc, buf);
+        struct prefetcher pf;
+        prefetcher_init(&pf, next->w, next->row_bytes, next->row_bytes, next->nr,
+                        (M + PK_MR - 1) / PK_MR * ((K + 15) / 16));
         for (int64_t m0 = 0; m0 < M; m0 += PK_MR) {
             const int64_t left = M - m0;
             const float *sc = scale ? scale + m0 : 0;
-#define TILE(mr) panel_tile(mr, K, x + m0 * ldx, ldx, buf, y + m0 * ldy, ldy, nc, sc)
+#define TILE(mr) panel_tile(mr, K, x + m0 * ldx, ldx, buf, y + m0 * ldy, ldy, nc, sc, &pf)
             DISPATCH_MB(left, PK_MR, TILE)
 #undef TILE
         }
         return;
     }
-    const int64_t pf = prefetch_ahead(ldw), pf4 = prefetch_ahead4_avx512(ldw);
-    for (int q = 0; q < nc; q += NJ) {
-        const int nw = nc - q < NJ ? nc - q : NJ;
-        job_rows_avx512(M, K, x, ldx, w + q * ldw, ldw, nw, y + q, ldy, pf, pf4);
-        if (scale)
-            for (int64_t r = 0; r < M; r++)
-                for (int c = 0; c < nw; c++) y[r * ldy + q + c] *= scale[r];
-    }
+    PK_ROWS(M, K, x, ldx, w, K, r->s, nc, y, ldy);
+    if (scale)
+        for (int64_t i = 0; i < M; i++)
+            for (int c = 0; c < nc; c++) y[i * ldy + c] *= scale[i];
 }
 
 /* The routed experts of a call in which some expert has PACK_MIN_ROWS rows or more: the
- * moeserve_moe_small contract (kernels.c), jobs of PK_NR weight rows shared out as in moe_*
+ * one-call MoE contract of this format (moeserve_moe_small, moeserve_int8_moe_small; s13 and
+ * s2 are 0 for fp32), jobs of PK_NR weight rows shared out as in the decode kernels
  * (contiguous shares of equal cost), each thread with its own panel buffer. */
-static void moe_panels(int64_t n_groups, const int64_t *expert, const int64_t *start,
-                       const int64_t *count, int64_t D, int64_t F, const float *x,
-                       const float *w13, const float *w2, const float *route_w, float *h,
-                       float *y) {
+static void PK_CAT(moe_panels, PK_SFX)(int64_t n_groups, const int64_t *expert,
+                                       const int64_t *start, const int64_t *count, int64_t D,
+                                       int64_t F, const float *x, const PK_T *w13,
+                                       const float *s13, const PK_T *w2, const float *s2,
+                                       const float *route_w, float *h, float *y) {
     const int64_t jobs13 = (2 * F + PK_NR - 1) / PK_NR, jobs2 = (D + PK_NR - 1) / PK_NR;
     const size_t buf_bytes = (size_t)(D > F ? D : F) * PK_NR * sizeof(float);
 #pragma omp parallel
@@ -147,24 +104,79 @@ static void moe_panels(int64_t n_groups, const int64_t *expert, const int64_t *s
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         /* no buffer (out of memory): every job takes the unpacked path */
         float *buf = aligned_alloc(64, (buf_bytes + 63) / 64 * 64);
+        const struct panel_rows none = {0, 0, 0, 0};
         int64_t lo13, end13;
         moe_share(n_groups, count, jobs13, t, nt, &lo13, &end13);
         for (int64_t job = lo13; job < end13; job++) {
-            const int64_t g = job / jobs13, n0 = PK_NR * (job % jobs13);
-            const int nc = 2 * F - n0 < PK_NR ? (int)(2 * F - n0) : PK_NR;
-            panel_job(count[g], D, x + start[g] * D, D, w13 + (expert[g] * 2 * F + n0) * D, D,
-                      nc, h + start[g] * 2 * F + n0, 2 * F, 0, buf);
+            int64_t g, n0, gn, nn;
+            const struct panel_rows r =
+                PK_CAT(panel_of, PK_SFX)(job, jobs13, expert, w13, s13, 2 * F, D, &g, &n0);
+            const struct panel_rows next =
+                job + 1 < end13 ? PK_CAT(panel_of, PK_SFX)(job + 1, jobs13, expert, w13, s13,
+                                                           2 * F, D, &gn, &nn)
+                                : none;
+            PK_CAT(panel_job, PK_SFX)(count[g], D, x + start[g] * D, D, &r,
+                                      h + start[g] * 2 * F + n0, 2 * F, 0, buf, &next);
         }
         moe_activation_phase(n_groups, start, count, F, h, t, nt);
         int64_t lo2, end2;
         moe_share(n_groups, count, jobs2, t, nt, &lo2, &end2);
         for (int64_t job = lo2; job < end2; job++) {
-            const int64_t g = job / jobs2, n0 = PK_NR * (job % jobs2);
-            const int nc = D - n0 < PK_NR ? (int)(D - n0) : PK_NR;
-            panel_job(count[g], F, h + start[g] * 2 * F, 2 * F, w2 + (expert[g] * D + n0) * F,
-                      F, nc, y + start[g] * D + n0, D, route_w + start[g], buf);
+            int64_t g, n0, gn, nn;
+            const struct panel_rows r =
+                PK_CAT(panel_of, PK_SFX)(job, jobs2, expert, w2, s2, D, F, &g, &n0);
+            const struct panel_rows next =
+                job + 1 < end2 ? PK_CAT(panel_of, PK_SFX)(job + 1, jobs2, expert, w2, s2, D, F,
+                                                          &gn, &nn)
+                               : none;
+            PK_CAT(panel_job, PK_SFX)(count[g], F, h + start[g] * 2 * F, 2 * F, &r,
+                                      y + start[g] * D + n0, D, route_w + start[g], buf, &next);
         }
         free(buf);
     }
 }
-#endif
+
+/* y[:M, :N] = x @ w^T (times the output scales s when given) for a many-row GEMM (prefill's
+ * projections with int8 weights): the panels of PK_NR weight rows against all M rows, the
+ * (panel, row) pairs shared out in equal contiguous ranges (each cut at a tile boundary), so
+ * a thread packs each panel it touches once. */
+static void PK_CAT(gemm_panels, PK_SFX)(int64_t M, int64_t N, int64_t K, const float *x,
+                                        int64_t ldx, const PK_T *w, const float *s, float *y,
+                                        int64_t ldy) {
+    const int64_t panels = (N + PK_NR - 1) / PK_NR, zero = 0;
+    const size_t buf_bytes = (size_t)K * PK_NR * sizeof(float);
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *buf = aligned_alloc(64, (buf_bytes + 63) / 64 * 64);
+        const struct panel_rows none = {0, 0, 0, 0};
+        /* this thread's (panel, row) range, each end moved to a tile boundary of its panel */
+        int64_t ends[2];
+        for (int i = 0; i < 2; i++) {
+            const int64_t u = panels * M * (t + i) / nt, r = (u % M + PK_MR - 1) / PK_MR * PK_MR;
+            ends[i] = u / M * M + (r < M ? r : M);
+        }
+        for (int64_t u = ends[0]; u < ends[1];) {
+            const int64_t p = u / M, r0 = u % M;
+            const int64_t r1 = ends[1] - p * M < M ? ends[1] - p * M : M;
+            int64_t g, n0, gn, nn;
+            const struct panel_rows r =
+                PK_CAT(panel_of, PK_SFX)(p, panels, &zero, w, s, N, K, &g, &n0);
+            const struct panel_rows next =
+                r1 == M && u + (r1 - r0) < ends[1]
+                    ? PK_CAT(panel_of, PK_SFX)(p + 1, panels, &zero, w, s, N, K, &gn, &nn)
+                    : none;
+            PK_CAT(panel_job, PK_SFX)(r1 - r0, K, x + r0 * ldx, ldx, &r, y + r0 * ldy + n0, ldy,
+                                      0, buf, &next);
+            u += r1 - r0;
+        }
+        free(buf);
+    }
+}
+
+#undef PK_CAT
+#undef PK_CAT_
+#undef PK_T
+#undef PK_SFX
+#undef PK_PACK
+#undef PK_ROWS

@@ -316,9 +316,9 @@ ATTN_TOKENS = [128, 512, 1024]
 
 def measure_prefill_attention(threads: int) -> list[dict]:
     """Seconds of the engine's naive MLA prefill of one fresh prompt of L tokens
-    (``layers.mla.MLAttention.forward_naive``: ``kv_b_proj`` expansion, key and query
-    concatenation, the blocked causal attention of ``ops/prefill_attention.py``), the
-    projections around it excluded."""
+    (``layers.mla.MLAttention.forward_naive``: ``kv_b_proj`` expansion, then the causal
+    attention of ``ops/prefill_attention.py``: the AVX-512 kernel, or the blocked form over
+    concatenated keys), the projections around it excluded."""
     import math
     from types import SimpleNamespace
 
@@ -337,9 +337,8 @@ def measure_prefill_attention(threads: int) -> list[dict]:
     with torch.inference_mode():
         for L in ATTN_TOKENS:
             q = torch.randn(L, H, N + R)
-            q_nope, q_pe = q.split([N, R], dim=-1)
             ctx = torch.randn(L, C + R)
-            args = (layer, q_nope, q_pe, ctx)
+            args = (layer, q, ctx)
             t = _best(lambda args=args: MLAttention.forward_naive(*args), 3, 0.1)
             rows.append(dict(tokens=L, seconds=t, **ATTN_SHAPE))
     return rows

@@ -58,9 +58,30 @@ def test_strided_rows_and_out(M, avx512):
     assert (out[:, :10] == 7).all() and (out[:, 50:] == 7).all()
 
 
+@needs_kernels
+@pytest.mark.skipif(ISAS != [False, True], reason="the packed panels need AVX-512F")
+@pytest.mark.parametrize("M", [1, 7, 65, 300, 1000])
+@pytest.mark.parametrize("N,K", [(700, 96), (64, 17), (1, 1001), (130, 64)])
+def test_gemm_panels_matches_reference(M, N, K):
+    """The many-row GEMM through packed panels: part panels (N not a multiple of 64), K not a
+    multiple of 16, rows not a multiple of the 6-row tile and fewer than the packed path's 24
+    (the few-row kernel inside), thread ranges cut inside a panel; x rows with a stride and a
+    slice of a wider output left intact around it."""
+    w = rows(N, K, M + N + K)
+    x = torch.randn(M, K + 5, generator=torch.Generator().manual_seed(M))[:, :K]
+    assert int8.panels_usable(x, w)
+    out = torch.full((M, N + 20), 7.0)
+    int8.gemm_panels(x, w, out=out[:, 10 : N + 10])
+    torch.testing.assert_close(out[:, 10 : N + 10], ref(x, w), rtol=1e-5, atol=1e-4)
+    assert (out[:, :10] == 7).all() and (out[:, N + 10 :] == 7).all()
+
+
+@pytest.mark.parametrize("avx512", ISAS)
 @pytest.mark.parametrize("M", [1, 64, 65, 300])
-def test_projection_dispatch_matches_reference(M):
-    """The kernel up to 64 rows, dequantized blocks and MKL beyond; bias, 3-D and bf16 inputs."""
+def test_projection_dispatch_matches_reference(M, avx512, monkeypatch):
+    """The kernel up to 64 rows; beyond, the packed panels with AVX-512 and dequantized blocks
+    for MKL with AVX2; bias, 3-D and bf16 inputs."""
+    monkeypatch.setattr(int8, "wide", lambda: avx512)
     w, b = rows(700, 96, 2), torch.randn(700)
     x = torch.randn(M, 96)
     want = ref(x, w) + b
@@ -97,7 +118,7 @@ def _sorted_inputs(T: int, E: int, K: int, D: int, seed: int):
 
 @pytest.mark.parametrize("T", [1, 5, 30, 200])
 def test_moe_matches_references(T):
-    """The one-call MoE kernel (<= 64 rows per expert) or the per-expert loop (more), against
+    """The one-call MoE kernel (any number of rows per expert: 200 tokens give ~50), against
     the int8 reference and the fp32 oracle on the dequantized weights."""
     E, D, Fd, K = 8, 40, 24, 2
     w13 = Int8Weight((E, 2 * Fd, D))
@@ -116,9 +137,33 @@ def test_moe_matches_references(T):
     want = int8.moe_int8_ref(x_RD, experts, counts, w13.data, w2.data, weight_R)
     got = experts_sorted(x_RD, weight_R, counts_E, w13, w2)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
-    if int8.moe_usable(x_RD, counts, w13.data, w2.data):
+    assert int8.moe_usable(x_RD, counts, w13.data, w2.data) == int8.available()
+    if int8.available():
         for avx512 in ISAS:
             kernel = int8.moe_experts(x_RD, experts, counts, w13.data, w2.data, weight_R, avx512)
             torch.testing.assert_close(kernel, want, rtol=1e-4, atol=1e-3)
-    else:
-        assert T * K / E > int8.MAX_ROWS or not int8.available()
+
+
+@needs_kernels
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("mkl_min_rows", [None, 20, 1])
+@pytest.mark.parametrize("D,Fd", [(40, 24), (64, 96)])
+def test_moe_kernel_with_big_groups(avx512, mkl_min_rows, D, Fd, monkeypatch):
+    """Groups of MKL_MIN_ROWS rows or more dequantized through MKL beside the kernel (all
+    groups, none, a mix with big ones first and last; 150 rows past the kernel call's split
+    at 128); the kernel's groups of 24+ rows take the AVX-512 packed-panel path, which converts
+    and scales the int8 rows while packing. D = 40 and F = 24 leave column tails (K not a
+    multiple of 16) and part panels, D = 64 and F = 96 whole panels and a part one."""
+    monkeypatch.setattr(int8, "MKL_MIN_ROWS", mkl_min_rows)
+    monkeypatch.setattr(int8, "MKL_MIN_ROWS_WIDE", mkl_min_rows)
+    g = torch.Generator().manual_seed(D)
+    counts = [30, 3, 25, 1, 150, 7, 22]
+    E, R = len(counts), sum(counts)
+    w13 = Int8Tensor(*quantize_rows(torch.randn(E, 2 * Fd, D, generator=g)))
+    w2 = Int8Tensor(*quantize_rows(torch.randn(E, D, Fd, generator=g)))
+    x, weight = torch.randn(R, D, generator=g), torch.rand(R, generator=g)
+    experts = list(range(E))
+    assert int8.moe_usable(x, counts, w13, w2)
+    got = int8.moe_experts(x, experts, counts, w13, w2, weight, avx512)
+    want = int8.moe_int8_ref(x, experts, counts, w13, w2, weight)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
