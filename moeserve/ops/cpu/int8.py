@@ -75,7 +75,9 @@ def _library() -> ctypes.CDLL | None:
         *(I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, INT),
     )
     build.declare(lib, "moeserve_int8_dequant", I64, I64, PTR, I64, PTR, PTR, I64)
-    build.declare(lib, "moeserve_int8_gemm_panels", I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64)
+    build.declare(
+        lib, "moeserve_int8_gemm_panels", I64, I64, I64, PTR, I64, PTR, I64, PTR, PTR, I64
+    )
     return lib
 
 
@@ -102,6 +104,8 @@ def gemm_nt(
     x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None = None, avx512: bool | None = None
 ) -> torch.Tensor:
     """``(x @ w.q.T) * w.scale`` for ``x [M, K]`` fp32 (M <= MAX_ROWS), ``w`` of ``[N, K]``.
+    With AVX-512F, from 24 rows (the packed path's ``PACK_MIN_ROWS``) the C call runs
+    :func:`gemm_panels`' packed panels, 1.1-1.9x the dot form there.
 
     ``out`` ([M, N] fp32, unit-stride rows) receives the result when given. ``avx512``
     overrides :func:`wide` (tests). The caller checks :func:`usable` first; the reference is
@@ -129,7 +133,7 @@ def gemm_nt(
 
 def panels_usable(x: torch.Tensor, w: Int8Tensor) -> bool:
     """Whether :func:`gemm_panels` runs for these operands: fp32 ``x [M, K]`` on the CPU with
-    unit-stride rows, ``w`` with its rows back to back, AVX-512F."""
+    unit-stride rows, ``w`` with unit-stride rows, AVX-512F."""
     return (
         x.dim() == 2
         and x.dtype == torch.float32
@@ -137,7 +141,6 @@ def panels_usable(x: torch.Tensor, w: Int8Tensor) -> bool:
         and x.shape[0] > 0
         and x.stride(1) == 1
         and _rows_ok(w)
-        and w.q.is_contiguous()
         and wide()
         and available()
     )
@@ -161,6 +164,7 @@ def gemm_panels(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None = None)
         x.data_ptr(),
         x.stride(0),
         w.q.data_ptr(),
+        w.q.stride(0),
         w.scale.data_ptr(),
         out.data_ptr(),
         out.stride(0),

@@ -179,13 +179,6 @@ void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *
         moe_avx2(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
 }
 
-/* y[:M, :N] = x @ w^T for many rows, AVX-512F only: the packed panels of moe_packed.h (w is
- * [N, K] with unit-stride rows K apart). */
-void moeserve_gemm_panels(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
-                          const float *w, float *y, int64_t ldy) {
-    gemm_panels_f32(M, N, K, x, ldx, w, 0, y, ldy);
-}
-
 /* Per-head few-row GEMMs, one call for all heads: y[h] = x[h] @ w[h]^T for h < Hh, with
  * x[h] rows at x + h*sxh + m*sxm, w[h] an [N, K] block at w + h*swh (row stride ldw), y[h]
  * rows at y + h*syh + m*sym. MLA's absorbed decode uses it for q_nope @ W_UK and

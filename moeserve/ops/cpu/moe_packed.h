@@ -11,6 +11,7 @@
  *   PK_ROWS(M, K, x, ldx, w, ldw, s, nc, y, ldy)
  *                         y[:M, :nc] = x @ w^T (times s): the format's few-row kernel, for
  *                         experts of fewer than PACK_MIN_ROWS rows
+ *   PK_GEMM               (optional) also define gemm_panels##PK_SFX, the plain GEMM
  * and this file undefines them at its end.
  *
  * The decode kernels dot weight rows with token rows along K (4 weight rows x 6 token rows,
@@ -30,11 +31,12 @@
 #define PACK_MIN_ROWS 24 /* rows of x from which a job packs its panel (fewer: PK_ROWS) */
 #endif
 
-/* nr weight rows of K elements (row stride K) at w, with their output scales s (int8) */
+/* nr weight rows at w, ld elements apart, of row_bytes bytes each (K elements), with their
+ * output scales s (int8) */
 struct panel_rows {
     const void *w;
     const float *s;
-    int64_t row_bytes;
+    int64_t ld, row_bytes;
     int nr;
 };
 #endif
@@ -44,16 +46,16 @@ struct panel_rows {
 #define PK_CAT(a, b) PK_CAT_(a, b)
 
 /* job `job` of a projection with N output rows of K elements per expert (jobs of PK_NR rows
- * per expert): its group g, first output row n0, and weight rows (w: [E, N, K] weights, s:
- * [E, N] scales or 0) */
+ * per expert): its group g, first output row n0, and weight rows (w: [E, N, K] weights with
+ * rows ld apart, experts N * ld apart; s: [E, N] scales or 0) */
 static inline struct panel_rows PK_CAT(panel_of, PK_SFX)(int64_t job, int64_t jobs,
                                                         const int64_t *expert, const PK_T *w,
                                                         const float *s, int64_t N, int64_t K,
-                                                        int64_t *g, int64_t *n0) {
+                                                        int64_t ld, int64_t *g, int64_t *n0) {
     *g = job / jobs;
     *n0 = PK_NR * (job % jobs);
     const int64_t row = expert[*g] * N + *n0;
-    const struct panel_rows r = {w + row * K, s ? s + row : 0, K * (int64_t)sizeof(PK_T),
+    const struct panel_rows r = {w + row * ld, s ? s + row : 0, ld, K * (int64_t)sizeof(PK_T),
                                  N - *n0 < PK_NR ? (int)(N - *n0) : PK_NR};
     return r;
 }
@@ -69,9 +71,9 @@ static void PK_CAT(panel_job, PK_SFX)(int64_t M, int64_t K, const float *x, int6
     const PK_T *w = (const PK_T *)r->w;
     const int nc = r->nr;
     if (M >= PACK_MIN_ROWS && buf) {
-        PK_PACK(K, w, K, r->s, nc, buf);
+        PK_PACK(K, w, r->ld, r->s, nc, buf);
         struct prefetcher pf;
-        prefetcher_init(&pf, next->w, next->row_bytes, next->row_bytes, next->nr,
+        prefetcher_init(&pf, next->w, next->ld * (int64_t)sizeof(PK_T), next->row_bytes, next->nr,
                         (M + PK_MR - 1) / PK_MR * ((K + 15) / 16));
         for (int64_t m0 = 0; m0 < M; m0 += PK_MR) {
             const int64_t left = M - m0;
@@ -82,7 +84,7 @@ static void PK_CAT(panel_job, PK_SFX)(int64_t M, int64_t K, const float *x, int6
         }
         return;
     }
-    PK_ROWS(M, K, x, ldx, w, K, r->s, nc, y, ldy);
+    PK_ROWS(M, K, x, ldx, w, r->ld, r->s, nc, y, ldy);
     if (scale)
         for (int64_t i = 0; i < M; i++)
             for (int c = 0; c < nc; c++) y[i * ldy + c] *= scale[i];
@@ -104,16 +106,16 @@ static void PK_CAT(moe_panels, PK_SFX)(int64_t n_groups, const int64_t *expert,
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         /* no buffer (out of memory): every job takes the unpacked path */
         float *buf = aligned_alloc(64, (buf_bytes + 63) / 64 * 64);
-        const struct panel_rows none = {0, 0, 0, 0};
+        const struct panel_rows none = {0, 0, 0, 0, 0};
         int64_t lo13, end13;
         moe_share(n_groups, count, jobs13, t, nt, &lo13, &end13);
         for (int64_t job = lo13; job < end13; job++) {
             int64_t g, n0, gn, nn;
             const struct panel_rows r =
-                PK_CAT(panel_of, PK_SFX)(job, jobs13, expert, w13, s13, 2 * F, D, &g, &n0);
+                PK_CAT(panel_of, PK_SFX)(job, jobs13, expert, w13, s13, 2 * F, D, D, &g, &n0);
             const struct panel_rows next =
                 job + 1 < end13 ? PK_CAT(panel_of, PK_SFX)(job + 1, jobs13, expert, w13, s13,
-                                                           2 * F, D, &gn, &nn)
+                                                           2 * F, D, D, &gn, &nn)
                                 : none;
             PK_CAT(panel_job, PK_SFX)(count[g], D, x + start[g] * D, D, &r,
                                       h + start[g] * 2 * F + n0, 2 * F, 0, buf, &next);
@@ -124,10 +126,10 @@ static void PK_CAT(moe_panels, PK_SFX)(int64_t n_groups, const int64_t *expert,
         for (int64_t job = lo2; job < end2; job++) {
             int64_t g, n0, gn, nn;
             const struct panel_rows r =
-                PK_CAT(panel_of, PK_SFX)(job, jobs2, expert, w2, s2, D, F, &g, &n0);
+                PK_CAT(panel_of, PK_SFX)(job, jobs2, expert, w2, s2, D, F, F, &g, &n0);
             const struct panel_rows next =
                 job + 1 < end2 ? PK_CAT(panel_of, PK_SFX)(job + 1, jobs2, expert, w2, s2, D, F,
-                                                          &gn, &nn)
+                                                          F, &gn, &nn)
                                : none;
             PK_CAT(panel_job, PK_SFX)(count[g], F, h + start[g] * 2 * F, 2 * F, &r,
                                       y + start[g] * D + n0, D, route_w + start[g], buf, &next);
@@ -136,20 +138,21 @@ static void PK_CAT(moe_panels, PK_SFX)(int64_t n_groups, const int64_t *expert,
     }
 }
 
-/* y[:M, :N] = x @ w^T (times the output scales s when given) for a many-row GEMM (prefill's
- * projections with int8 weights): the panels of PK_NR weight rows against all M rows, the
+#ifdef PK_GEMM
+/* y[:M, :N] = x @ w^T (times the output scales s when given; w's rows ldw apart) for a
+ * many-row GEMM (int8 projections from PACK_MIN_ROWS rows): the panels of PK_NR weight rows against all M rows, the
  * (panel, row) pairs shared out in equal contiguous ranges (each cut at a tile boundary), so
  * a thread packs each panel it touches once. */
 static void PK_CAT(gemm_panels, PK_SFX)(int64_t M, int64_t N, int64_t K, const float *x,
-                                        int64_t ldx, const PK_T *w, const float *s, float *y,
-                                        int64_t ldy) {
+                                        int64_t ldx, const PK_T *w, int64_t ldw, const float *s,
+                                        float *y, int64_t ldy) {
     const int64_t panels = (N + PK_NR - 1) / PK_NR, zero = 0;
     const size_t buf_bytes = (size_t)K * PK_NR * sizeof(float);
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         float *buf = aligned_alloc(64, (buf_bytes + 63) / 64 * 64);
-        const struct panel_rows none = {0, 0, 0, 0};
+        const struct panel_rows none = {0, 0, 0, 0, 0};
         /* this thread's (panel, row) range, each end moved to a tile boundary of its panel */
         int64_t ends[2];
         for (int i = 0; i < 2; i++) {
@@ -161,10 +164,10 @@ static void PK_CAT(gemm_panels, PK_SFX)(int64_t M, int64_t N, int64_t K, const f
             const int64_t r1 = ends[1] - p * M < M ? ends[1] - p * M : M;
             int64_t g, n0, gn, nn;
             const struct panel_rows r =
-                PK_CAT(panel_of, PK_SFX)(p, panels, &zero, w, s, N, K, &g, &n0);
+                PK_CAT(panel_of, PK_SFX)(p, panels, &zero, w, s, N, K, ldw, &g, &n0);
             const struct panel_rows next =
                 r1 == M && u + (r1 - r0) < ends[1]
-                    ? PK_CAT(panel_of, PK_SFX)(p + 1, panels, &zero, w, s, N, K, &gn, &nn)
+                    ? PK_CAT(panel_of, PK_SFX)(p + 1, panels, &zero, w, s, N, K, ldw, &gn, &nn)
                     : none;
             PK_CAT(panel_job, PK_SFX)(r1 - r0, K, x + r0 * ldx, ldx, &r, y + r0 * ldy + n0, ldy,
                                       0, buf, &next);
@@ -174,8 +177,11 @@ static void PK_CAT(gemm_panels, PK_SFX)(int64_t M, int64_t N, int64_t K, const f
     }
 }
 
+#endif /* PK_GEMM */
+
 #undef PK_CAT
 #undef PK_CAT_
+#undef PK_GEMM
 #undef PK_T
 #undef PK_SFX
 #undef PK_PACK
