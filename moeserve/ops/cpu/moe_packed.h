@@ -140,9 +140,9 @@ static void PK_CAT(moe_panels, PK_SFX)(int64_t n_groups, const int64_t *expert,
 
 #ifdef PK_GEMM
 /* y[:M, :N] = x @ w^T (times the output scales s when given; w's rows ldw apart) for a
- * many-row GEMM (int8 projections from PACK_MIN_ROWS rows): the panels of PK_NR weight rows against all M rows, the
- * (panel, row) pairs shared out in equal contiguous ranges (each cut at a tile boundary), so
- * a thread packs each panel it touches once. */
+ * many-row GEMM (int8 projections from PACK_MIN_ROWS rows): the panels of PK_NR weight rows
+ * against all M rows, the (panel, row) pairs shared out in equal contiguous ranges (each cut
+ * at a tile boundary), so a thread packs each panel it touches once. */
 static void PK_CAT(gemm_panels, PK_SFX)(int64_t M, int64_t N, int64_t K, const float *x,
                                         int64_t ldx, const PK_T *w, int64_t ldw, const float *s,
                                         float *y, int64_t ldy) {

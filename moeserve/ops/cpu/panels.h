@@ -62,8 +62,8 @@ static inline void pack_panel(int64_t K, const float *w, int64_t ldw, int nc, fl
 }
 
 /* buf[k * PK_NR + c] = q[c * ldq + k] * s[c] for c < nc (<= PK_NR; columns past nc are 0) */
-static inline void pack_panel_q8(int64_t K, const int8_t *q, int64_t ldq, const float *s, int nc,
-                          float *buf) {
+static inline void pack_panel_q8(int64_t K, const int8_t *q, int64_t ldq, const float *s,
+                                 int nc, float *buf) {
     const int64_t K16 = K - K % 16;
     for (int v = 0; v < PK_NV; v++) {
         const int c0 = 16 * v;

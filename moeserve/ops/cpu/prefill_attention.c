@@ -59,7 +59,8 @@ static float softmax_row(float *row, int64_t n, int64_t width, float scale) {
     if (l < n) {
         const __mmask16 m = (__mmask16)((1u << (n - l)) - 1u);
         const __m512 x = _mm512_maskz_loadu_ps(m, row + l);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp512_neg(_mm512_mul_ps(_mm512_sub_ps(x, vm), vs)));
+        const __m512 z = _mm512_mul_ps(_mm512_sub_ps(x, vm), vs);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp512_neg(z));
         _mm512_storeu_ps(row + l, e); /* zeros past n: row has room to a multiple of 16 */
         vsum = _mm512_add_ps(vsum, e);
         l += 16;
@@ -140,7 +141,8 @@ static void query_block(const Params *P, const struct head_cache *c, int64_t h, 
     const float *q = P->q + t0 * P->sq_t + h * P->sq_h;
     for (int64_t p = 0; p * PK_NR < n_vis; p++) {
         const int nc = n_vis - p * PK_NR < PK_NR ? (int)(n_vis - p * PK_NR) : PK_NR;
-#define SCORES(m) panel_tile(m, Dk, q, P->sq_t, c->keys + p * Dk * PK_NR, S + p * PK_NR, ldS, nc, 0, none)
+        const float *keys = c->keys + p * Dk * PK_NR;
+#define SCORES(m) panel_tile(m, Dk, q, P->sq_t, keys, S + p * PK_NR, ldS, nc, 0, none)
         DISPATCH_MB(mr, PK_MR, SCORES)
 #undef SCORES
     }
@@ -150,7 +152,8 @@ static void query_block(const Params *P, const struct head_cache *c, int64_t h, 
     float *o = P->out + t0 * P->so_t + h * P->so_h;
     for (int64_t d0 = 0, j = 0; d0 < P->Dv; d0 += PK_NR, j++) {
         const int nd = P->Dv - d0 < PK_NR ? (int)(P->Dv - d0) : PK_NR;
-#define VALUES(m) panel_tile(m, n_vis, S, ldS, c->values + j * L64 * PK_NR, o + d0, P->so_t, nd, inv, none)
+        const float *values = c->values + j * L64 * PK_NR;
+#define VALUES(m) panel_tile(m, n_vis, S, ldS, values, o + d0, P->so_t, nd, inv, none)
         DISPATCH_MB(mr, PK_MR, VALUES)
 #undef VALUES
     }
@@ -170,8 +173,12 @@ int moeserve_prefill_attention(int64_t H, int64_t T, int64_t L, int64_t group, c
                                 int64_t sk2_g, int64_t D2, const float *v, int64_t sv_l,
                                 int64_t sv_g, int64_t Dv, float scale, float *out, int64_t so_t,
                                 int64_t so_h) {
-    const Params P = {H,  T,     L,     group, q,  sq_t,  sq_h, k1,    sk1_l, sk1_g, D1, k2,
-                      sk2_l, sk2_g, D2, v, sv_l, sv_g, Dv, scale, out, so_t, so_h};
+    const Params P = {.H = H, .T = T, .L = L, .group = group,
+                      .q = q, .sq_t = sq_t, .sq_h = sq_h,
+                      .k1 = k1, .sk1_l = sk1_l, .sk1_g = sk1_g, .D1 = D1,
+                      .k2 = k2, .sk2_l = sk2_l, .sk2_g = sk2_g, .D2 = D2,
+                      .v = v, .sv_l = sv_l, .sv_g = sv_g, .Dv = Dv,
+                      .scale = scale, .out = out, .so_t = so_t, .so_h = so_h};
     const int64_t chunks = (T + QCHUNK - 1) / QCHUNK, jobs = H * chunks;
     const int64_t Dk = D1 + D2, L64 = (L + PK_NR - 1) / PK_NR * PK_NR;
     const int64_t ldS = (L + 15) / 16 * 16;
@@ -195,7 +202,8 @@ int moeserve_prefill_attention(int64_t H, int64_t T, int64_t L, int64_t group, c
         }
         struct head_cache c = {-1, 0, 0, 0, 0};
         c.keys = aligned_alloc(64, (size_t)L64 * Dk * sizeof(float));
-        c.values = aligned_alloc(64, (size_t)((Dv + PK_NR - 1) / PK_NR) * L64 * PK_NR * sizeof(float));
+        const size_t vpanels = (size_t)((Dv + PK_NR - 1) / PK_NR);
+        c.values = aligned_alloc(64, vpanels * L64 * PK_NR * sizeof(float));
         float *S = aligned_alloc(64, (size_t)PK_MR * ldS * sizeof(float));
         struct prefetcher none;
         prefetcher_init(&none, 0, 0, 0, 0, 0);
