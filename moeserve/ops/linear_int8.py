@@ -3,9 +3,10 @@ to the fastest path; ``ops/linear.py`` sends int8 weights here.
 
     few rows (<= int8.MAX_ROWS), CPU   the kernel of ops/cpu/int8.c (AVX2 or AVX-512):
                                        streams q once
-    more rows (prefill), AVX-512 CPU   the packed panels of ops/cpu/moe_packed.h: each 64-row
-                                       panel converted into an fp32 buffer once, outer-product
-                                       tiles over it (1.2-1.9x the blocks below at 512 rows)
+    any rows, AVX-512 CPU              the same call, from 24 rows the packed panels of
+                                       ops/cpu/moe_packed.h: each 64-row panel converted into
+                                       an fp32 buffer once, outer-product tiles over it
+                                       (1.2-1.9x the blocks below at 512 rows)
     more rows (prefill), AVX2 CPU      blocks of weight rows dequantized into one reused fp32
                                        buffer that stays in cache, each block an MKL GEMM
                                        (as fast as dequantizing all first, without the
@@ -53,8 +54,6 @@ def _matmul(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None) -> torch.T
         x = x.contiguous()
     if kernels.usable(x, w):
         return kernels.gemm_nt(x, w, out=out)
-    if kernels.panels_usable(x, w):
-        return kernels.gemm_panels(x, w, out=out)
     M, N = x.shape[0], w.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=torch.float32, device=x.device)

@@ -151,14 +151,6 @@ void moeserve_int8_moe_small(int64_t n_groups, const int64_t *expert, const int6
         moe_avx2(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
 }
 
-/* y[:M, :N] = (x @ q^T) * scale for many rows (prefill), AVX-512F only: the packed panels of
- * moe_packed.h (q's unit-stride rows ldq apart), converted while packing. */
-void moeserve_int8_gemm_panels(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
-                               const int8_t *q, int64_t ldq, const float *scale, float *y,
-                               int64_t ldy) {
-    gemm_panels_q8(M, N, K, x, ldx, q, ldq, scale, y, ldy);
-}
-
 /* out[n, :] = q[n, :] * scale[n] for rows [0, N): the dequantized fp32 weight block that a
  * many-row GEMM (prefill) hands to BLAS. Bound by memory: AVX2 only. */
 void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,

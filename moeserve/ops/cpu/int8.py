@@ -1,7 +1,8 @@
 """The weight-only int8 kernels of ``int8.c`` and their pure-torch references.
 
 Weights are :class:`~moeserve.quant.int8.Int8Tensor` rows (``q [N, K]`` int8, ``scale [N]``
-fp32); activations and outputs are fp32. The kernels take at most ``MAX_ROWS`` token rows;
+fp32); activations and outputs are fp32. The GEMM takes at most ``MAX_ROWS`` token rows
+(any number with AVX-512F) and the MoE call any number;
 ``ops/cpu/build.py`` compiles and loads the source, and when that is not possible
 :func:`available` is False and callers use the references. Each kernel exists for AVX2+FMA
 and for AVX-512F; :func:`wide` picks AVX-512F where the CPU has it (``MOESERVE_CPU_AVX512=0``
@@ -11,6 +12,7 @@ keeps AVX2).
 from __future__ import annotations
 
 import ctypes
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -75,9 +77,6 @@ def _library() -> ctypes.CDLL | None:
         *(I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, INT),
     )
     build.declare(lib, "moeserve_int8_dequant", I64, I64, PTR, I64, PTR, PTR, I64)
-    build.declare(
-        lib, "moeserve_int8_gemm_panels", I64, I64, I64, PTR, I64, PTR, I64, PTR, PTR, I64
-    )
     return lib
 
 
@@ -96,16 +95,20 @@ def _rows_ok(w: Int8Tensor) -> bool:
 
 
 def usable(x: torch.Tensor, w: Int8Tensor) -> bool:
-    """Whether :func:`gemm_nt` runs the kernel for these operands."""
-    return few_rows(x, MAX_ROWS) and _rows_ok(w) and available()
+    """Whether :func:`gemm_nt` runs the kernel for these operands: up to ``MAX_ROWS`` rows, or
+    any number with AVX-512F (from 24 rows its packed panels)."""
+    return few_rows(x, sys.maxsize if wide() else MAX_ROWS) and _rows_ok(w) and available()
 
 
 def gemm_nt(
     x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None = None, avx512: bool | None = None
 ) -> torch.Tensor:
-    """``(x @ w.q.T) * w.scale`` for ``x [M, K]`` fp32 (M <= MAX_ROWS), ``w`` of ``[N, K]``.
-    With AVX-512F, from 24 rows (the packed path's ``PACK_MIN_ROWS``) the C call runs
-    :func:`gemm_panels`' packed panels, 1.1-1.9x the dot form there.
+    """``(x @ w.q.T) * w.scale`` for ``x [M, K]`` fp32, ``w`` of ``[N, K]``: up to MAX_ROWS
+    rows the dot form, which streams each weight row once. With AVX-512F any number of rows,
+    and from 24 (the packed path's ``PACK_MIN_ROWS``) the C call runs the packed panels of
+    ``moe_packed.h`` instead: each 64-row panel of ``w`` converted, scaled and transposed once
+    into an fp32 buffer, then outer-product tiles of 6 rows of ``x`` over it (1.1-1.9x the dot
+    form at 24-64 rows, 1.2-1.9x dequantizing blocks for MKL at 512: docs/benchmarks.md).
 
     ``out`` ([M, N] fp32, unit-stride rows) receives the result when given. ``avx512``
     overrides :func:`wide` (tests). The caller checks :func:`usable` first; the reference is
@@ -127,47 +130,6 @@ def gemm_nt(
         out.data_ptr(),
         out.stride(0),
         int(wide() if avx512 is None else avx512),
-    )
-    return out
-
-
-def panels_usable(x: torch.Tensor, w: Int8Tensor) -> bool:
-    """Whether :func:`gemm_panels` runs for these operands: fp32 ``x [M, K]`` on the CPU with
-    unit-stride rows, ``w`` with unit-stride rows, AVX-512F."""
-    return (
-        x.dim() == 2
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.shape[0] > 0
-        and x.stride(1) == 1
-        and _rows_ok(w)
-        and wide()
-        and available()
-    )
-
-
-def gemm_panels(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``(x @ w.q.T) * w.scale`` for many rows (prefill) through the packed panels of
-    ``moe_packed.h``: each 64-row panel of ``w`` converted, scaled and transposed once into an
-    fp32 buffer, then outer-product tiles of 6 rows of ``x`` over it (1.2-1.9x dequantizing
-    blocks for MKL at 512 rows: docs/benchmarks.md). ``out`` ([M, N] fp32, unit-stride rows)
-    receives the result when given. The caller checks :func:`panels_usable`; the reference is
-    :func:`linear_int8_ref`."""
-    M, K = x.shape
-    N = w.q.shape[0]
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.float32)
-    _library().moeserve_int8_gemm_panels(
-        M,
-        N,
-        K,
-        x.data_ptr(),
-        x.stride(0),
-        w.q.data_ptr(),
-        w.q.stride(0),
-        w.scale.data_ptr(),
-        out.data_ptr(),
-        out.stride(0),
     )
     return out
 

@@ -63,15 +63,15 @@ def test_strided_rows_and_out(M, avx512):
 @pytest.mark.parametrize("M", [1, 7, 65, 300, 1000])
 @pytest.mark.parametrize("N,K", [(700, 96), (64, 17), (1, 1001), (130, 64)])
 def test_gemm_panels_matches_reference(M, N, K):
-    """The many-row GEMM through packed panels: part panels (N not a multiple of 64), K not a
-    multiple of 16, rows not a multiple of the 6-row tile and fewer than the packed path's 24
-    (the few-row kernel inside), thread ranges cut inside a panel; x rows with a stride and a
-    slice of a wider output left intact around it."""
+    """The GEMM with AVX-512 at any number of rows, packed panels from 24: part panels (N not
+    a multiple of 64), K not a multiple of 16, rows not a multiple of the 6-row tile and fewer
+    than 24 (the dot form), thread ranges cut inside a panel; x rows with a stride and a slice
+    of a wider output left intact around it."""
     w = rows(N, K, M + N + K)
     x = torch.randn(M, K + 5, generator=torch.Generator().manual_seed(M))[:, :K]
-    assert int8.panels_usable(x, w)
+    assert int8.usable(x, w)
     out = torch.full((M, N + 20), 7.0)
-    int8.gemm_panels(x, w, out=out[:, 10 : N + 10])
+    int8.gemm_nt(x, w, out=out[:, 10 : N + 10], avx512=True)
     torch.testing.assert_close(out[:, 10 : N + 10], ref(x, w), rtol=1e-5, atol=1e-4)
     assert (out[:, :10] == 7).all() and (out[:, N + 10 :] == 7).all()
 
