@@ -1,13 +1,15 @@
 """Offline throughput: moeserve against transformers on the benchmark model, in one run.
 
-For each weight format (fp32, and int8 weight-only quantization): decode tokens/s at batch 1,
-8, 32 and 64 and prefill tokens/s of one 512- and one 2048-token prompt; transformers'
-``generate`` and forward on the same checkpoint in fp32; the roofline of each case (decode:
-bytes a step reads / the read bandwidth measured here; prefill: FLOPs / the fp32 GEMM peak
-measured here) and the fraction of it reached. Prints a table, writes JSON and a plot of
+For each weight format (fp32; int8 weight-only quantization; bf16 weights with fp32
+activations, ``--quantization bf16``, run on AMX where the CPU has it): decode tokens/s at
+batch 1, 8, 32 and 64 and prefill tokens/s of one 512- and one 2048-token prompt;
+transformers' ``generate`` and forward on the same checkpoint in fp32; the roofline of each
+case (decode: bytes a step reads / the read bandwidth measured here; prefill: FLOPs / the
+GEMM peak measured here, fp32 for fp32 and int8, bf16 for bf16) and the fraction of it
+reached. Prints a table, writes JSON and a plot of
 tokens/s against batch size with the rooflines drawn in.
 
-    python benchmarks/offline_throughput.py [--formats fp32,int8] [--threads 2] [--profile DIR]
+    python benchmarks/offline_throughput.py [--formats fp32,int8,bf16] [--threads 2] [--profile DIR]
     python benchmarks/offline_throughput.py --model DIR --speculative-num-tokens K[,K...] \
         [--formats fp32,int8] [--hot-vocab N | --speculative-token-map FILE]      # MTP
 """
@@ -119,10 +121,11 @@ def run_moeserve(
         out[f"decode_b{b}"] = time_moeserve_decode(llm, b, args.new_tokens, vocab, args.repeats)
         machine[f"decode_b{b}"] = max(before, probe.bandwidth())
     time_moeserve_prefill(llm, 64, vocab, repeats=1)
+    peak_dtype = peak_dtype_of(args, fmt)
     for n in args.prefill:
-        before = probe.gemm_peak()
+        before = probe.gemm_peak(dtype=peak_dtype)
         out[f"prefill_{n}"] = time_moeserve_prefill(llm, n, vocab)
-        machine[f"prefill_{n}"] = max(before, probe.gemm_peak())
+        machine[f"prefill_{n}"] = max(before, probe.gemm_peak(dtype=peak_dtype))
     if args.profile:
         from moeserve.profiling import profile_to
 
@@ -134,6 +137,11 @@ def run_moeserve(
     del llm
     gc.collect()
     return out, machine
+
+
+def peak_dtype_of(args, fmt: str) -> torch.dtype:
+    """The GEMM peak a format's prefill is held to: bf16 for bf16 weights or activations."""
+    return torch.bfloat16 if fmt == "bf16" or args.dtype == "bfloat16" else torch.float32
 
 
 def run_transformers(args, model_dir: str, vocab: int) -> dict[str, float]:
@@ -173,7 +181,12 @@ def plot(path: Path, args, results: dict, roofs: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"fp32": "tab:blue", "int8": "tab:orange", "transformers": "tab:gray"}
+    colors = {
+        "fp32": "tab:blue",
+        "int8": "tab:orange",
+        "bf16": "tab:green",
+        "transformers": "tab:gray",
+    }
     for name, tps in results.items():
         ys = [tps[f"decode_b{b}"] for b in args.batches]
         label = f"moeserve {name}" if name != "transformers" else "transformers fp32"
@@ -307,7 +320,7 @@ def run_speculative(args, model_dir: str, vocab: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--formats", default="fp32,int8", help="weight formats: fp32, int8")
+    ap.add_argument("--formats", default="fp32,int8,bf16", help="weight formats: fp32, int8, bf16")
     ap.add_argument(
         "--dtype",
         default="float32",
@@ -383,12 +396,18 @@ def main() -> None:
         results["transformers"] = run_transformers(args, model_dir, vocab)
     roofs = {fmt: rooflines(args, fmt, machine[fmt]) for fmt in formats}
     bws = [v for m in machine.values() for k, v in m.items() if k.startswith("decode")]
-    peaks = [v for m in machine.values() for k, v in m.items() if k.startswith("prefill")]
-
+    peaks: dict[str, list[float]] = {}
+    for fmt, m in machine.items():
+        name = str(peak_dtype_of(args, fmt)).removeprefix("torch.")
+        peaks.setdefault(name, []).extend(v for k, v in m.items() if k.startswith("prefill"))
+    peak_text = ", ".join(
+        f"{name} GEMM peak {min(v) / 1e9:.0f}-{max(v) / 1e9:.0f} GFLOP/s"
+        for name, v in peaks.items()
+        if v
+    )
     print(
         f"\nbenchmark model, {args.threads} threads, read bandwidth {min(bws) / 1e9:.1f}-"
-        f"{max(bws) / 1e9:.1f} GB/s, fp32 GEMM peak {min(peaks) / 1e9:.0f}-"
-        f"{max(peaks) / 1e9:.0f} GFLOP/s (measured next to each case), "
+        f"{max(bws) / 1e9:.1f} GB/s, {peak_text} (measured next to each case), "
         f"{platform.processor() or platform.machine()}"
     )
     cols = ("case", "format", "tok/s", "transformers", "ratio", "GB/s|GFLOP/s", "roofline")

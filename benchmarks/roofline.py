@@ -19,7 +19,8 @@ import torch
 FORMATS = {
     "fp32": dict(linear=4.0, scale=0.0, kv_b=4.0),
     "int8": dict(linear=1.0, scale=4.0, kv_b=4.0),
-    "bf16": dict(linear=2.0, scale=0.0, kv_b=2.0),  # the fp32 format run in bf16 (GPUs)
+    # bf16 weights: --quantization bf16 (fp32 activations), or the fp32 format in bf16 (GPUs)
+    "bf16": dict(linear=2.0, scale=0.0, kv_b=2.0),
 }
 
 
@@ -125,25 +126,53 @@ class MachineProbe:
             best = min(best, time.perf_counter() - t0)
         return self._t.numel() * 4 / best
 
-    def gemm_peak(self, repeats: int = 5) -> float:
-        return measure_gemm_peak(self.device, repeats)
+    def gemm_peak(self, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+        return measure_gemm_peak(self.device, repeats, dtype)
 
 
-def measure_gemm_peak(device: str = "cpu", repeats: int = 5) -> float:
-    """Best fp32 FLOP/s of ``F.linear`` over a few large shapes (the prefill ceiling); on a
-    CPU also of moeserve's own fp32 kernel at its largest row block (``ops/cpu/kernels.py``),
-    which outruns MKL where it has AVX-512, so that no case can pass 100%."""
-    best = _kernel_gemm_peak(repeats) if device == "cpu" else 0.0
+def measure_gemm_peak(
+    device: str = "cpu", repeats: int = 5, dtype: torch.dtype = torch.float32
+) -> float:
+    """Best FLOP/s of ``F.linear`` in ``dtype`` over a few large shapes (the prefill ceiling);
+    on a CPU also of moeserve's own kernel (fp32: at its largest row block,
+    ``ops/cpu/kernels.py``, which outruns MKL where it has AVX-512; bf16: the AMX kernel,
+    ``ops/cpu/amx.py``), so that no case can pass 100%. bf16 on a CPU without AMX: the fp32
+    figure (the bf16 weight format then computes in fp32)."""
+    if dtype == torch.bfloat16 and device == "cpu":
+        from moeserve.ops.cpu import amx
+
+        if not amx.available():
+            return measure_gemm_peak(device, repeats)
+        best = _amx_gemm_peak(repeats)
+    else:
+        best = _kernel_gemm_peak(repeats) if device == "cpu" else 0.0
     for m, n, k in ((2048, 4096, 1024), (1024, 2816, 1024), (2048, 2048, 2048)):
-        x = torch.randn(m, k, device=device)
-        w = torch.randn(n, k, device=device)
-        out = torch.empty(m, n, device=device)
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
         torch.matmul(x, w.t(), out=out)
         for _ in range(repeats):
             t0 = time.perf_counter()
             torch.matmul(x, w.t(), out=out)
             if device != "cpu":
                 torch.cuda.synchronize()
+            best = max(best, 2 * m * n * k / (time.perf_counter() - t0))
+    return best
+
+
+def _amx_gemm_peak(repeats: int) -> float:
+    """The AMX kernel on fp32 rows and bf16 weights (what --quantization bf16 runs), at the
+    rows of a 2048-token prefill's MoE expert and of a projection."""
+    from moeserve.ops.cpu import amx
+
+    best = 0.0
+    for m, n, k in ((192, 4096, 1024), (2048, 2048, 1024)):
+        x, w = torch.randn(m, k), torch.randn(n, k, dtype=torch.bfloat16)
+        out = torch.empty(m, n)
+        amx.gemm_nt(x, w, out=out)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            amx.gemm_nt(x, w, out=out)
             best = max(best, 2 * m * n * k / (time.perf_counter() - t0))
     return best
 

@@ -7,16 +7,19 @@ import argparse
 import logging
 import sys
 
+from moeserve.quant import QUANTIZATIONS
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model directory (default: the built-in demo)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument(
         "--quantization",
-        choices=("none", "int8"),
+        choices=QUANTIZATIONS,
         default="none",
         help="int8: weight-only int8 (per-output-channel scales), quantized at load from a "
-        "bf16, fp32 or FP8 checkpoint; activations stay fp32 (default: none)",
+        "bf16, fp32 or FP8 checkpoint; bf16: weights held in bf16 (the GEMMs run on AMX where "
+        "the CPU has it); activations stay fp32 under both (default: none)",
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -29,6 +29,7 @@ from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.cpu import amx
 from moeserve.ops.cpu import attention as cpu_attention
 from moeserve.ops.cpu import kernels as cpu_kernels
 from moeserve.ops.cpu import rope as rope_kernels
@@ -192,16 +193,21 @@ class MLAttention(nn.Module):
         """Decodes (one query each) against their latent context, weights absorbed. The
         kernel reads each cached latent row once, straight from its block; the gather
         reference (``mla_decode_ref``) runs where it does not apply."""
-        B = q_nope_BHN.shape[0]
+        B, dev = q_nope_BHN.shape[0], q_nope_BHN.device
+        # the CPU kernel takes fp32 queries over a cache of either dtype: a bf16 model's
+        # latent queries and outputs stay fp32 between the head GEMMs
+        cpu = dev.type == "cpu" and cpu_attention.available()
+        lat = torch.float32 if cpu else q_nope_BHN.dtype
         # q_lat[b, h] = q_nope[b, h] @ W_UK[h]; head-major
-        q_nope_HBN = q_nope_BHN.transpose(0, 1)
-        q_lat_HBC = cpu_kernels.head_gemm_nt(q_nope_HBN, self.w_uk_HCN)
-        if q_lat_HBC is None:  # the reference
-            q_lat_HBC = torch.bmm(q_nope_HBN, self.w_uk_HCN.transpose(1, 2))
+        q_lat_HBC = _head_gemm(
+            q_nope_BHN.transpose(0, 1),
+            self.w_uk_HCN,
+            torch.empty(self.H, B, self.C, dtype=lat, device=dev),
+        )
         o_lat_HBC = q_lat_HBC.new_empty(self.H, B, self.C)
         done = cpu_attention.mla_decode(
             q_lat_HBC.transpose(0, 1),
-            q_pe_BHR,
+            q_pe_BHR.to(lat),
             self.kv_cache,
             meta.decode_block_table_BN,
             meta.decode_context_lens_B,
@@ -210,9 +216,10 @@ class MLAttention(nn.Module):
             out_BHC=o_lat_HBC.transpose(0, 1),
         )
         if done is None:
+            cache_dtype = self.kv_cache.dtype
             o_lat_BHC = cpu_attention.mla_decode_ref(
-                q_lat_HBC.transpose(0, 1),
-                q_pe_BHR,
+                q_lat_HBC.transpose(0, 1).to(cache_dtype),
+                q_pe_BHR.to(cache_dtype),
                 self.kv_cache,
                 meta.decode_slots_BL,
                 meta.decode_bias_B1L,
@@ -220,10 +227,19 @@ class MLAttention(nn.Module):
             )
             o_lat_HBC = o_lat_BHC.transpose(0, 1)
         # out[b, h] = o_lat[b, h] @ W_UV[h]  -> [B, H, V], written batch-major for o_proj
-        out_BHV = o_lat_HBC.new_empty(B, self.H, self.V)
-        if cpu_kernels.head_gemm_nt(o_lat_HBC, self.w_uv_HVC, out_BHV.transpose(0, 1)) is None:
-            out_BHV.transpose(0, 1).copy_(torch.bmm(o_lat_HBC, self.w_uv_HVC.transpose(1, 2)))
+        out_BHV = q_nope_BHN.new_empty(B, self.H, self.V)
+        _head_gemm(o_lat_HBC, self.w_uv_HVC, out_BHV.transpose(0, 1))
         return out_BHV
+
+
+def _head_gemm(x_HMK: torch.Tensor, w_HNK: torch.Tensor, out_HMN: torch.Tensor) -> torch.Tensor:
+    """``out[h] = x[h] @ w[h].T``: the fp32 kernel, the AMX one for bf16 weights, or ``bmm``
+    (the reference) in the weight's dtype."""
+    if cpu_kernels.head_gemm_nt(x_HMK, w_HNK, out_HMN) is not None:
+        return out_HMN
+    if amx.head_usable(x_HMK, w_HNK):
+        return amx.head_gemm_nt(x_HMK, w_HNK, out_HMN)
+    return out_HMN.copy_(torch.bmm(x_HMK.to(w_HNK.dtype), w_HNK.transpose(1, 2)))
 
 
 class MLADecodeCalls:
@@ -244,7 +260,11 @@ class MLADecodeCalls:
         self.max_rows = min(self.qkv_a.max_rows, self.q_b.max_rows, self.o.max_rows)
         self.max_rows = min(self.max_rows, cpu_kernels.MAX_ROWS)
         self.norm_fn = cpu_kernels._library().moeserve_rms_norm
-        self.head_fn = cpu_kernels._library().moeserve_head_gemm_nt_small
+        # the absorbed W_UK / W_UV: fp32 (kernels.c) or bf16 (--quantization bf16, AMX)
+        if attn.w_uk_HCN.dtype == torch.bfloat16:
+            self.head_fn = amx._library().moeserve_amx_head_gemm_nt_f32
+        else:
+            self.head_fn = cpu_kernels._library().moeserve_head_gemm_nt_small
         self.rope_fn = rope_kernels._library().moeserve_mla_rope_cache
         self.attn_fn = cpu_attention._library().moeserve_paged_decode_attention
         self.wide = int(cpu_kernels.wide())
@@ -270,10 +290,16 @@ class MLADecodeCalls:
     @staticmethod
     def bind(attn: MLAttention) -> MLADecodeCalls | bool:
         """The calls for ``attn``, or False where they do not apply (no kernels here, not
-        fp32 on the CPU, biases, a layout the kernels do not take)."""
+        fp32 on the CPU (the absorbed weights may be bf16 on AMX), biases, a layout the
+        kernels do not take)."""
         rot, cache = attn.rotary, attn.kv_cache
         norms = [attn.kv_a_layernorm.weight] + ([attn.q_a_layernorm.weight] if attn.Q else [])
-        dense = [*norms, rot.cos_cached, rot.sin_cached, attn.w_uk_HCN, attn.w_uv_HVC, cache]
+        absorbed = [attn.w_uk_HCN, attn.w_uv_HVC]
+        fp32 = [*norms, rot.cos_cached, rot.sin_cached, cache]
+        if absorbed[0].dtype == torch.float32:
+            fp32 += absorbed
+        elif not all(w.dtype == torch.bfloat16 and amx.weight_ok(w) for w in absorbed):
+            return False
         ok = (
             cache is not None
             and all(
@@ -281,8 +307,10 @@ class MLADecodeCalls:
                 and t.dtype == torch.float32
                 and t.device.type == "cpu"
                 and t.is_contiguous()
-                for t in dense
+                for t in fp32
             )
+            and all(w.is_contiguous() and w.device.type == "cpu" for w in absorbed)
+            and (absorbed[0].dtype == torch.float32 or amx.available())
             and cache.dim() == 2
             and cache.shape[1] == attn.C + attn.R
             and attn.qkv_a_proj.bias is None
@@ -331,7 +359,7 @@ class MLADecodeCalls:
         # attention: (B, G, Hg, Dk, Dv, D1, q1 [b, h] at b*C + h*T*C, q2 = q_pe, scale, cache)
         self.attn_head = (T, 1, H, C + R, C, C, self.q_lat.data_ptr(), C, T * C)
         self.attn_head += (q + 4 * N, H * K, K, a.scale, self.cache.data_ptr(), C + R, 0, 0, 0, 0)
-        self.attn_out = (self.o_lat.data_ptr(), C, T * C)
+        self.attn_out = (self.o_lat.data_ptr(), C, T * C, 0)  # 0: the cache is fp32
         # out[t, h] = o_lat[h, t] @ W_UV[h]^T
         uv = a.w_uv_HVC
         self.uv_args = (H, T, V, C, self.o_lat.data_ptr(), T * C, C, uv.data_ptr(), V * C, C)
@@ -364,8 +392,10 @@ class MLADecodeCalls:
         else:
             self.q_b(x_TD, self.q)
         self.rope_fn(*self.rope_head, pos.data_ptr(), *self.rope_mid, slots.data_ptr())
-        self.head_fn(*self.uk_args)
-        self.attn_fn(*self.attn_head, *step, *self.attn_out)
-        self.head_fn(*self.uv_args)
+        failed = self.head_fn(*self.uk_args)  # the AMX call reports a failed allocation
+        if failed or self.attn_fn(*self.attn_head, *step, *self.attn_out) != 0:
+            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
+        if self.head_fn(*self.uv_args):
+            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
         y_TD = self.o(self.out)
         return y_TD if self.reduce is None else self.reduce(y_TD)

@@ -16,8 +16,8 @@ from moeserve.distributed.groups import Axis
 from moeserve.layers.linear import shard_range
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.cpu import amx, kernels
 from moeserve.ops.cpu import int8 as int8_kernels
-from moeserve.ops.cpu import kernels
 from moeserve.ops.linear import linear, linear_into
 from moeserve.quant.int8 import as_int8
 
@@ -166,6 +166,8 @@ def experts_sorted(
             return int8_kernels.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
     elif kernels.moe_usable(x_RD, counts, w13_EFD, w2_EDF):
         return kernels.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
+    elif amx.moe_usable(x_RD, counts, w13_EFD, w2_EDF):
+        return amx.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
     y_RD = torch.empty_like(x_RD)
     F2 = w13_EFD.shape[1]
     start = 0

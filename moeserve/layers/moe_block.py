@@ -29,8 +29,8 @@ from moeserve.layers.linear import GatedMLP, Linear
 from moeserve.layers.moe import FusedExperts, Router
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.cpu import amx, kernels, moe_sort
 from moeserve.ops.cpu import int8 as int8_kernels
-from moeserve.ops.cpu import kernels, moe_sort
 from moeserve.ops.linear import BoundLinear
 from moeserve.quant.int8 import as_int8
 
@@ -201,9 +201,10 @@ class MoEDecodeCalls:
     """The routed experts of a decode step (few rows, no EP) as kernel calls whose arguments
     are derived once: router logits, routing (``kernels.c``), the pairs sorted by expert and
     gathered (``moe_sort.c``), the one-call MoE kernel (int8 directly, fp32 through
-    ``kernels.moe_experts``), the rows added back per token. The torch path of
-    :meth:`MoEBlock.forward` (``FusedExperts``, ``moe_grouped``) is the reference and runs where
-    this does not apply; the two agree bit for bit."""
+    ``kernels.moe_experts``, bf16 weights through ``amx.moe_experts``), the rows added back
+    per token. The torch path of :meth:`MoEBlock.forward` (``FusedExperts``,
+    ``moe_grouped``) is the reference and runs where this does not apply; the two agree bit
+    for bit."""
 
     def __init__(self, block: MoEBlock) -> None:
         c, gate, experts = block.gate.config, block.gate, block.experts
@@ -231,6 +232,8 @@ class MoEDecodeCalls:
             self.max_rows = int8_kernels.MAX_ROWS
         else:
             self.max_rows = kernels.MAX_ROWS
+        bf16 = experts.w13_EFD.dtype == torch.bfloat16  # --quantization bf16, on AMX
+        self.dense_fn = amx.moe_experts if bf16 else kernels.moe_experts
         self.wide = int(kernels.wide())
         # every tensor whose address the calls use, with that address
         w = (q13.q, q13.scale, q2.q, q2.scale) if q13 is not None else ()
@@ -259,7 +262,12 @@ class MoEDecodeCalls:
             ok_weights = int8_kernels.available()
         elif q13 is None and q2 is None:
             weights = (w13, w2)
-            ok_weights = w13.dtype == w2.dtype == torch.float32
+            ok_weights = w13.dtype == w2.dtype == torch.float32 or (
+                w13.dtype == w2.dtype == torch.bfloat16
+                and amx.available()
+                and w13.shape[2] % amx.K_ALIGN == 0
+                and w2.shape[2] % amx.K_ALIGN == 0
+            )
         else:
             return False
         bias = gate.e_score_correction_bias
@@ -325,12 +333,10 @@ class MoEDecodeCalls:
         if self.int8_fn is not None:
             self.int8_fn(G, *self.int8_meta, *self.int8_w, *self.int8_out, self.wide)
             y_RD = self.y_sorted
-        else:  # fp32: the kernel through its wrapper, which takes the groups as lists
+        else:  # fp32 or bf16: the kernel through its wrapper, which takes lists of groups
             experts, _starts, counts = self.meta[:, :G].tolist()
             e = self.block.experts
-            y_RD = kernels.moe_experts(
-                self.x_sorted, experts, counts, e.w13_EFD, e.w2_EDF, self.weight
-            )
+            y_RD = self.dense_fn(self.x_sorted, experts, counts, e.w13_EFD, e.w2_EDF, self.weight)
         if T == 1:  # the reference's sum, so the result matches it bit for bit
             return y_RD.sum(dim=0, keepdim=True)
         y_TD = torch.empty(T, self.D, dtype=torch.float32)

@@ -1,7 +1,10 @@
 """``linear(x, w, bias)``: the projection every layer calls, dispatched to the fastest kernel.
 
 Few-row fp32 inputs on AVX2 CPUs (decode) go to the streaming kernel in
-``ops/cpu/kernels.c``; everything else, and the reference, is ``F.linear``. Int8 weights
+``ops/cpu/kernels.c``. bf16 weights on CPUs with AMX go to ``ops/cpu/amx.c``: with fp32
+activations (``--quantization bf16``) always, with bf16 ones up to ``amx.MAX_ROWS`` rows
+(oneDNN's GEMM behind ``F.linear`` is faster above). Everything else, and the reference, is
+``F.linear`` (a bf16 weight with fp32 activations widened per call). Int8 weights
 (``quant/int8.py``) go to ``ops/linear_int8.py``.
 """
 
@@ -10,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve.ops.cpu import amx, kernels
 from moeserve.ops.cpu import int8 as int8_kernels
-from moeserve.ops.cpu import kernels
 from moeserve.ops.linear_int8 import linear_int8, linear_int8_into
 from moeserve.quant.int8 import as_int8
 
@@ -23,7 +26,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if kernels.usable(x, w):
         y = kernels.gemm_nt(x, w)
         return y if bias is None else y.add_(bias)
-    return F.linear(x, w, bias)
+    if amx.usable(x, w):
+        y = amx.gemm_nt(x, w)
+        return y if bias is None else y.add_(bias)
+    # a weight held narrower than the activations (--quantization bf16) is widened per call
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)
 
 
 def linear_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -32,16 +39,19 @@ def linear_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Te
         return linear_int8_into(x, q, out)
     if kernels.usable(x, w) and out.stride(-1) == 1:
         return kernels.gemm_nt(x, w, out=out)
-    return torch.matmul(x, w.t(), out=out)
+    if amx.usable(x, w) and out.stride(-1) == 1 and out.dtype in (torch.bfloat16, torch.float32):
+        return amx.gemm_nt(x, w, out=out)
+    return torch.matmul(x, (w if w.dtype == x.dtype else w.to(x.dtype)).t(), out=out)
 
 
 class BoundLinear:
     """``x @ w.T`` for decode rows with the kernel arguments that depend only on ``w`` (its
     pointer, strides, shape, the ISA choice) derived once, so a call costs one ctypes call and
-    the checks on ``x``. Rows the kernel does not take (too many, other dtype or layout) go
-    through :func:`linear`, the reference dispatch. ``w`` must stay where it is while bound:
-    ``pointers`` lists each bound tensor with the address used, so the owner can see a moved
-    weight (``p.data`` replaced) and bind again."""
+    the checks on ``x``: the fp32, int8 or (bf16 weights, on AMX) bf16 few-row kernel. Rows
+    the kernel does not take (too many, other dtype or layout) go through :func:`linear`, the
+    reference dispatch. ``w`` must stay where it is while bound: ``pointers`` lists each bound
+    tensor with the address used, so the owner can see a moved weight (``p.data`` replaced)
+    and bind again."""
 
     def __init__(self, w: torch.Tensor) -> None:
         self.w = w
@@ -64,6 +74,12 @@ class BoundLinear:
             self.w_args = (w.data_ptr(), w.stride(0))
             self.wide = int(kernels.wide())
             self.pointers = ((w, w.data_ptr()),)
+        elif w.dim() == 2 and amx.weight_ok(w) and amx.available():  # bf16 weight, fp32 rows
+            self.fn = amx._library().moeserve_amx_gemm_nt_f32
+            self.max_rows = amx.MAX_ROWS
+            self.w_args = (w.data_ptr(), w.stride(0))
+            self.wide = 0
+            self.pointers = ((w, w.data_ptr()),)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K]`` -> ``[M, N]`` (into ``out``, unit-stride rows, when given)."""
@@ -73,8 +89,10 @@ class BoundLinear:
         M = x.shape[0]
         if out is None:
             out = torch.empty(M, self.N, dtype=torch.float32)
-        self.fn(
+        failed = self.fn(
             M, self.N, self.K, x.data_ptr(), x.stride(0), *self.w_args,
             out.data_ptr(), out.stride(0), self.wide,
         )  # fmt: skip
+        if failed:  # the AMX call allocates its packed rows (the others return nothing)
+            raise MemoryError(f"projection of {M} rows: out of memory for its workspace")
         return out

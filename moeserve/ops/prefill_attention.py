@@ -62,6 +62,13 @@ def causal_attention(
     return out_HTV
 
 
+def _float(k_LGD: torch.Tensor | None) -> torch.Tensor | None:
+    """``k_LGD`` in fp32, an expanded view (head stride 0) staying one"""
+    if k_LGD is None or k_LGD.stride(1) != 0:
+        return None if k_LGD is None else k_LGD.float()
+    return k_LGD[:, :1].float().expand(k_LGD.shape)
+
+
 def causal_attention_parts(
     q_THK: torch.Tensor,
     k1_LGD: torch.Tensor,
@@ -73,7 +80,12 @@ def causal_attention_parts(
     """``[T, H, V]`` causal attention where query head h uses kv head ``h // (H // G)``, whose
     keys are ``[k1 | k2]`` (``k2_LGD`` None: ``k1`` alone; it may be an expanded view, head
     stride 0) and ``q_THK`` holds the matching D1 + D2 values; written into ``out_THV`` when
-    given."""
+    given. On a CPU, other dtypes (bf16) compute in fp32 and are cast back."""
+    if q_THK.device.type == "cpu" and q_THK.dtype != torch.float32:
+        out32 = causal_attention_parts(
+            q_THK.float(), k1_LGD.float(), _float(k2_LGD), v_LGV.float(), scale
+        )
+        return out32.to(q_THK.dtype) if out_THV is None else out_THV.copy_(out32)
     got = kernel.causal_attention(q_THK, k1_LGD, k2_LGD, v_LGV, scale, out_THV)
     if got is not None:
         return got

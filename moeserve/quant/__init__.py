@@ -1,9 +1,13 @@
-"""Weight quantization applied at load: ``--quantization int8`` (``int8.py`` holds the
-format, ``apply.py`` the pass that switches a model's layers to it before loading)."""
+"""Weight formats applied at load (``--quantization``): ``int8`` (weight-only int8,
+``int8.py``) and ``bf16`` (weights held in bf16, activations fp32: the GEMMs' fast path on
+CPUs with AMX, ``ops/cpu/amx.c``). ``apply.py`` is the pass that switches a model's layers to
+a format before loading."""
 
 from __future__ import annotations
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "bf16")
+# formats whose weights the CPU kernels multiply with fp32 activations
+WEIGHT_ONLY = ("int8", "bf16")
 
 
 def normalize_quantization(name: str | None) -> str | None:

@@ -1,6 +1,7 @@
-"""Switch a freshly built model to int8 weights before its checkpoint is loaded.
+"""Switch a freshly built model to int8 or bf16 weights before its checkpoint is loaded.
 
-What is quantized (per output row, :mod:`moeserve.quant.int8`):
+What is converted (int8: per output row, :mod:`moeserve.quant.int8`; bf16: each weight held
+in bf16, rounded to nearest as it is loaded, lossless for a bf16 checkpoint):
 
     every Linear (attention and MLA projections, dense and shared-expert MLPs, the shared
     expert gate, MTP projections and heads), the routed experts' w13 and w2, the LM head
@@ -11,13 +12,17 @@ them), norms, biases. MLA derives its absorbed fp32 decode weights from the dequ
 
 The fp32 parameters are replaced while still untouched ``torch.empty`` storage (not resident),
 so no full-precision copy of the model is ever held; the loaders then quantize each tensor's
-rows as they arrive (``Int8Tensor.copy_``).
+rows as they arrive (``Int8Tensor.copy_``; a bf16 parameter's ``copy_`` rounds).
+
+Activations stay fp32 under both (``EngineConfig.torch_dtype``): the norms, rope, routing and
+attention keep their fp32 kernels, and only the GEMMs read the narrow weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from moeserve.layers.embedding import ParallelLMHead
@@ -28,7 +33,8 @@ from moeserve.quant.int8 import Int8Weight
 
 
 def int8_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
-    """``(module, parameter name)`` of every weight :func:`quantize_int8` converts."""
+    """``(module, parameter name)`` of every weight :func:`quantize_int8` and
+    :func:`to_bf16` convert."""
     for module in model.modules():
         if isinstance(module, Linear):
             yield module, "weight"
@@ -52,7 +58,23 @@ def quantize_int8(model: nn.Module) -> int:
     return len(targets)
 
 
+def to_bf16(model: nn.Module) -> int:
+    """Replace the weights of :func:`int8_targets` by empty bf16 parameters of the same shape
+    and device; returns how many. Call before loading the checkpoint."""
+    targets = [
+        (m, name) for m, name in int8_targets(model) if isinstance(getattr(m, name), nn.Parameter)
+    ]
+    for module, name in targets:
+        p = getattr(module, name)
+        w = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
+        setattr(module, name, nn.Parameter(w, requires_grad=False))
+    return len(targets)
+
+
 def apply_quantization(model: nn.Module, method: str | None) -> None:
-    """Prepare ``model`` for loading with ``method`` (None, "none" or "int8")."""
-    if normalize_quantization(method) == "int8":
+    """Prepare ``model`` for loading with ``method`` (None, "none", "int8" or "bf16")."""
+    method = normalize_quantization(method)
+    if method == "int8":
         quantize_int8(model)
+    elif method == "bf16":
+        to_bf16(model)

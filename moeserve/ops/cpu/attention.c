@@ -20,6 +20,9 @@
  * concurrently and whose partial (m, l, acc) are merged at the end (flash-decoding), so batch 1
  * uses every thread; with many sequences each (b, g) is one item.
  *
+ * The cache may hold bf16 rows (a bf16 model's): each tile's rows are then widened to fp32
+ * into a per-thread scratch as they are gathered, and everything after runs as for fp32.
+ *
  * The query comes in two parts (q1 = the first D1 dims, q2 the rest; for MLA q_lat and q_pe)
  * with their own batch/head strides, so the caller needs no torch.cat; the output's batch and
  * head strides are free too (MLA writes [H, B, C] for the W_UV bmm that follows).
@@ -45,7 +48,9 @@ typedef struct {
 
 typedef struct {
     int64_t B, G, Hg, Dk, Dv, D1, ld_slot, k_off, k_hs, v_off, v_hs, ldt, bs;
-    const float *cache, *qpack;
+    const void *cache; /* fp32, or bf16 when cache_bf16 */
+    int cache_bf16;
+    const float *qpack;
     const int32_t *table, *lens;
     float *out;
     int64_t out_sb, out_sh;
@@ -128,6 +133,19 @@ static inline __attribute__((always_inline)) void value_block(
         for (int k = 0; k < NV; k++) _mm256_storeu_ps(acc + i * acc_sh + c0 + 8 * k, a[i][k]);
 }
 
+/* n bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32) */
+static inline void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+    for (; i < n; i++) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
 static inline void prefetch_span(const float *p, int64_t n) {
     for (int64_t d = 0; d < n; d += 16) _mm_prefetch((const char *)(p + d), _MM_HINT_T0);
 }
@@ -204,9 +222,10 @@ static void tile_step(const Params *P, int64_t nt, const float *q, const float *
 }
 
 /* Tokens [t0, t1) of sequence b against the Hg heads of KV head g: unnormalised acc (head
- * stride acc_sh), running max m and sum l. */
+ * stride acc_sh), running max m and sum l. A bf16 cache's rows are widened into wide
+ * (2 * TILE rows of Dk + Dv floats). */
 static void run_item(const Params *P, const Item *it, float *acc, int64_t acc_sh, float *m,
-                     float *l) {
+                     float *l, float *wide) {
     const int64_t Hg = P->Hg, bs = P->bs;
     const float *q = P->qpack + (it->b * P->G + it->g) * Hg * P->Dk;
     const int32_t *table = P->table + it->b * P->ldt;
@@ -225,10 +244,23 @@ static void run_item(const Params *P, const Item *it, float *acc, int64_t acc_sh
         const int64_t n_next = it->t1 - t0 - TILE < TILE ? it->t1 - t0 - TILE : TILE;
         for (int64_t j = 0; j < n_next; j++) {
             const int64_t pos = t0 + TILE + j;
-            const float *row =
-                P->cache + ((int64_t)table[pos / bs] * bs + pos % bs) * P->ld_slot;
-            key[1 - cur][j] = row + koff;
-            val[1 - cur][j] = row + voff;
+            const int64_t at = ((int64_t)table[pos / bs] * bs + pos % bs) * P->ld_slot;
+            if (P->cache_bf16) {
+                const uint16_t *row = (const uint16_t *)P->cache + at;
+                float *kw = wide + ((1 - cur) * TILE + j) * (P->Dk + P->Dv);
+                widen_bf16(row + koff, P->Dk, kw);
+                key[1 - cur][j] = kw;
+                if (val_in_key) {
+                    val[1 - cur][j] = kw + (voff - koff);
+                } else {
+                    widen_bf16(row + voff, P->Dv, kw + P->Dk);
+                    val[1 - cur][j] = kw + P->Dk;
+                }
+            } else {
+                const float *row = (const float *)P->cache + at;
+                key[1 - cur][j] = row + koff;
+                val[1 - cur][j] = row + voff;
+            }
         }
         if (t0 >= it->t0)
             tile_step(P, it->t1 - t0 < TILE ? it->t1 - t0 : TILE, q, key[cur], val[cur], s, m,
@@ -241,12 +273,13 @@ typedef struct {
     int64_t b, g, item0, S; /* the S splits of (b, g) are items item0 .. item0 + S - 1 */
 } Merge;
 
-void moeserve_paged_decode_attention(
+/* 0, or -1 when scratch memory could not be allocated (nothing is written then) */
+int moeserve_paged_decode_attention(
     int64_t B, int64_t G, int64_t Hg, int64_t Dk, int64_t Dv, int64_t D1, const float *q1,
     int64_t q1_sb, int64_t q1_sh, const float *q2, int64_t q2_sb, int64_t q2_sh, float scale,
-    const float *cache, int64_t ld_slot, int64_t k_off, int64_t k_hs, int64_t v_off,
+    const void *cache, int64_t ld_slot, int64_t k_off, int64_t k_hs, int64_t v_off,
     int64_t v_hs, const int32_t *table, int64_t ldt, const int32_t *lens, int64_t bs,
-    float *out, int64_t out_sb, int64_t out_sh) {
+    float *out, int64_t out_sb, int64_t out_sh, int cache_bf16) {
     const int64_t H = G * Hg;
     int64_t total = 0;
     for (int64_t b = 0; b < B; b++) total += lens[b] > 0 ? lens[b] : 0;
@@ -270,6 +303,10 @@ void moeserve_paged_decode_attention(
     float *qpack = malloc((B * H * Dk + 1) * sizeof(float));
     float *part_acc = malloc((n_parts * Hg * Dv + 1) * sizeof(float));
     float *ml = malloc((n_items * Hg * 2 + 1) * sizeof(float)); /* m then l of each item */
+    if (!items || !merges || !qpack || !part_acc || !ml) {
+        free(items), free(merges), free(qpack), free(part_acc), free(ml);
+        return -1;
+    }
     int64_t k = 0, part = 0, mg = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = lens[b] > 0 ? lens[b] : 0;
@@ -285,9 +322,16 @@ void moeserve_paged_decode_attention(
         }
     }
     Params P = {B, G, Hg, Dk, Dv, D1, ld_slot, k_off, k_hs, v_off, v_hs, ldt, bs,
-                cache, qpack, table, lens, out, out_sb, out_sh};
+                cache, cache_bf16, qpack, table, lens, out, out_sb, out_sh};
+    int failed = 0;
 #pragma omp parallel if (par)
     {
+        float *wide = cache_bf16 ? malloc(2 * TILE * (Dk + Dv) * sizeof(float)) : NULL;
+        if (cache_bf16 && !wide) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; bh++) {
             const int64_t b = bh / H, h = bh % H;
@@ -298,23 +342,25 @@ void moeserve_paged_decode_attention(
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; i++) {
+            if (failed) continue;
             const Item *it = &items[i];
             float *m = ml + i * Hg * 2, *l = m + Hg;
             if (it->part < 0) {
                 float *o = out + it->b * out_sb + it->g * Hg * out_sh;
-                run_item(&P, it, o, out_sh, m, l);
+                run_item(&P, it, o, out_sh, m, l, wide);
                 for (int64_t h = 0; h < Hg; h++) {
                     const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f; /* 0 for no context */
                     for (int64_t c = 0; c < Dv; c++) o[h * out_sh + c] *= inv;
                 }
             } else {
-                run_item(&P, it, part_acc + it->part * Hg * Dv, Dv, m, l);
+                run_item(&P, it, part_acc + it->part * Hg * Dv, Dv, m, l, wide);
             }
         }
         /* merge the splits: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s; a merge's
          * items are consecutive and so are their parts */
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n_merges * Hg; j++) {
+            if (failed) continue;
             const Merge *mr = &merges[j / Hg];
             const int64_t h = j % Hg;
             const int64_t i0 = mr->item0;
@@ -338,6 +384,8 @@ void moeserve_paged_decode_attention(
                 o[c] = v;
             }
         }
+        free(wide);
     }
     free(items), free(merges), free(qpack), free(part_acc), free(ml);
+    return failed ? -1 : 0;
 }

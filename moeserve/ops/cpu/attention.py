@@ -6,7 +6,8 @@ R qk_rope_head_dim, L context length, N blocks per table row, S cache slots.
 
 A decode's context is its first ``context_lens_B[b]`` tokens; token ``p`` lives in slot
 ``block_table_BN[b, p // block_size] * block_size + p % block_size``. The kernel functions
-return None when they do not apply (no kernel here, not fp32 on the CPU); the caller then runs
+return None when they do not apply (no kernel here, queries not fp32 on the CPU, a cache
+neither fp32 nor bf16); the caller then runs
 the reference over ``slots_BL`` and ``bias_B1L`` (``AttentionMetadata`` builds both).
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from moeserve.ops.cpu import build
-from moeserve.ops.cpu.build import F32, I64, PTR
+from moeserve.ops.cpu.build import F32, I64, INT, PTR
 
 _SOURCE = Path(__file__).with_name("attention.c")
 MAX_HEADS_PER_KV = 256  # HMAX in attention.c
@@ -45,7 +46,9 @@ def _library() -> ctypes.CDLL | None:
         PTR,
         I64,
         I64,
+        INT,
     )
+    lib.moeserve_paged_decode_attention.restype = INT
     return lib
 
 
@@ -53,8 +56,14 @@ def available() -> bool:
     return _library() is not None
 
 
-def _usable(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and available()
+def _usable(*queries: torch.Tensor, cache: torch.Tensor) -> bool:
+    """fp32 CPU queries over an fp32 or bf16 cache (its rows are widened as they are read)"""
+    return (
+        all(t.dtype == torch.float32 and t.device.type == "cpu" for t in queries)
+        and cache.dtype in (torch.float32, torch.bfloat16)
+        and cache.device.type == "cpu"
+        and available()
+    )
 
 
 def _paged_decode(
@@ -77,7 +86,7 @@ def _paged_decode(
     q2 = q1 if q2 is None else q2 if q2.stride(-1) == 1 else q2.contiguous()
     table = block_table_BN.to(torch.int32).contiguous()
     lens = context_lens_B.to(torch.int32).contiguous()
-    _library().moeserve_paged_decode_attention(
+    rc = _library().moeserve_paged_decode_attention(
         B,
         G,
         H // G,
@@ -104,7 +113,10 @@ def _paged_decode(
         out.data_ptr(),
         out.stride(0),
         out.stride(1),
+        int(cache.dtype == torch.bfloat16),
     )
+    if rc != 0:
+        raise MemoryError("decode attention: out of memory for its scratch buffers")
     return out
 
 
@@ -124,7 +136,7 @@ def mla_decode(
     B, H, C = q_lat_BHC.shape
     R = q_pe_BHR.shape[-1]
     if not (
-        _usable(q_lat_BHC, q_pe_BHR, kv_cache_SK)
+        _usable(q_lat_BHC, q_pe_BHR, cache=kv_cache_SK)
         and kv_cache_SK.dim() == 2
         and kv_cache_SK.shape[1] == C + R
         and kv_cache_SK.stride(1) == 1
@@ -163,7 +175,7 @@ def gqa_decode(
     B, H, Hd = q_BHD.shape
     G = kv_cache_S2GD.shape[2]
     if not (
-        _usable(q_BHD, kv_cache_S2GD)
+        _usable(q_BHD, cache=kv_cache_S2GD)
         and kv_cache_S2GD.is_contiguous()
         and H % G == 0
         and H // G <= MAX_HEADS_PER_KV

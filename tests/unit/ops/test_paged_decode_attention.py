@@ -30,10 +30,20 @@ def decode_meta(lens: list[int], tables: list[list[int]], bs: int) -> AttentionM
     return AttentionMetadata.build([n - 1 for n in lens], [1] * len(lens), tables, bs)
 
 
-def check_mla(lens: list[int], bs: int, H: int = 16, C: int = 256, R: int = 32, seed: int = 0):
+def check_mla(
+    lens: list[int],
+    bs: int,
+    H: int = 16,
+    C: int = 256,
+    R: int = 32,
+    seed: int = 0,
+    cache_dtype: torch.dtype = torch.float32,
+):
+    """The kernel against the gather reference; a bf16 cache against the reference on the
+    same values in fp32 (the kernel widens them exactly)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks, tables = scattered_tables(lens, bs, g)
-    cache = torch.randn(num_blocks * bs, C + R, generator=g)
+    cache = torch.randn(num_blocks * bs, C + R, generator=g).to(cache_dtype)
     B = len(lens)
     q = torch.randn(B, H, C + R, generator=g)
     meta = decode_meta(lens, tables, bs)
@@ -41,7 +51,7 @@ def check_mla(lens: list[int], bs: int, H: int = 16, C: int = 256, R: int = 32, 
     args = (meta.decode_block_table_BN, meta.decode_context_lens_B, bs, scale)
     got = cpu_attention.mla_decode(q[..., :C], q[..., C:], cache, *args)
     ref = cpu_attention.mla_decode_ref(
-        q[..., :C], q[..., C:], cache, meta.decode_slots_BL, meta.decode_bias_B1L, scale
+        q[..., :C], q[..., C:], cache.float(), meta.decode_slots_BL, meta.decode_bias_B1L, scale
     )
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
@@ -68,6 +78,13 @@ def test_mla_decode_matches_gather_reference(lens, bs):
 def test_mla_decode_odd_shapes(H, C, R):
     """Heads not a multiple of 4, dims not multiples of 8 or 16."""
     check_mla([1, 37, 300], 16, H, C, R, seed=H + C + R)
+
+
+@pytest.mark.parametrize("lens,bs", [([1, 17, 300], 16), ([2048], 16), ([333, 5], 7)])
+def test_mla_decode_bf16_cache(lens, bs):
+    """A bf16 model's cache: rows widened per tile (split and unsplit items, odd blocks)."""
+    check_mla(lens, bs, seed=bs, cache_dtype=torch.bfloat16)
+    check_mla([40], 16, 3, 20, 6, seed=2, cache_dtype=torch.bfloat16)  # dims off 8
 
 
 def test_mla_decode_strided_query_and_output():
@@ -113,15 +130,25 @@ def test_mla_decode_single_thread():
 @pytest.mark.parametrize("H,G,Hd", [(4, 2, 16), (8, 8, 64), (32, 4, 128), (6, 3, 20)])
 @pytest.mark.parametrize("lens,bs", [([1, 16, 17, 300], 16), ([2000], 16), ([5, 70], 3)])
 def test_gqa_decode_matches_gather_reference(H, G, Hd, lens, bs):
+    check_gqa(H, G, Hd, lens, bs, torch.float32)
+
+
+@pytest.mark.parametrize("H,G,Hd", [(8, 2, 64), (6, 3, 20)])
+def test_gqa_decode_bf16_cache(H, G, Hd):
+    """Keys and values apart in the row: both widened."""
+    check_gqa(H, G, Hd, [1, 17, 300], 16, torch.bfloat16)
+
+
+def check_gqa(H: int, G: int, Hd: int, lens: list[int], bs: int, cache_dtype: torch.dtype):
     g = torch.Generator().manual_seed(H + G + Hd + len(lens))
     num_blocks, tables = scattered_tables(lens, bs, g)
-    cache = torch.randn(num_blocks * bs, 2, G, Hd, generator=g)
+    cache = torch.randn(num_blocks * bs, 2, G, Hd, generator=g).to(cache_dtype)
     q = torch.randn(len(lens), H, Hd, generator=g)
     meta = decode_meta(lens, tables, bs)
     args = (meta.decode_block_table_BN, meta.decode_context_lens_B, bs, Hd**-0.5)
     got = cpu_attention.gqa_decode(q, cache, *args)
     ref = cpu_attention.gqa_decode_ref(
-        q, cache, meta.decode_slots_BL, meta.decode_bias_B1L, Hd**-0.5
+        q, cache.float(), meta.decode_slots_BL, meta.decode_bias_B1L, Hd**-0.5
     )
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
