@@ -184,9 +184,23 @@ class EngineConfig:
         return resolve_device(self.device)
 
     @property
+    def weight_format(self) -> str | None:
+        """The format the weights are held in: ``quantization`` when set; with ``dtype="auto"``
+        on a CPU whose AMX kernels run, bf16 (with fp32 activations, ``torch_dtype``): faster
+        than computing in bf16 throughout and closer to fp32 (docs/benchmarks.md); else None
+        (the model dtype)."""
+        if self.quantization is not None or self.dtype != "auto":
+            return self.quantization
+        if self.torch_device.type != "cpu" or not cpu_has_fast_bf16():
+            return None
+        from moeserve.ops.cpu import amx  # builds the kernels on first use
+
+        return "bf16" if amx.available() else None
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         device = self.torch_device
-        if self.dtype == "auto" and self.quantization in WEIGHT_ONLY and device.type == "cpu":
+        if self.dtype == "auto" and device.type == "cpu" and self.weight_format in WEIGHT_ONLY:
             return torch.float32  # the int8 and bf16-weight CPU kernels take fp32 activations
         return resolve_dtype(self.dtype, device)
 

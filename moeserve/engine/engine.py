@@ -68,7 +68,7 @@ class LLMEngine:
             progress=config.progress and groups.rank == 0,
             groups=groups,
             moe_options=config.moe_options,
-            quantization=config.quantization,
+            quantization=config.weight_format,
         )
         # weights stream through 2 MB pages on a CPU (ops/cpu/hugepages.py)
         self.huge_page_bytes = move_to_huge_pages(self.model) if self.device.type == "cpu" else 0

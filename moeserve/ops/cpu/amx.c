@@ -1,5 +1,7 @@
-/* bf16 GEMMs on Intel AMX (TDPBF16PS): the projections and routed experts of a model run
- * with --dtype bfloat16 on a CPU with AMX (Sapphire Rapids and later, Xeon Max included).
+/* bf16 GEMMs on Intel AMX (TDPBF16PS): the projections, MLA's per-head products and the
+ * routed experts of a model whose weights are bf16 (--quantization bf16, what dtype "auto"
+ * picks on a CPU with AMX: Sapphire Rapids and later, Xeon Max included), with fp32 or bf16
+ * activations.
  *
  * A tile product C[16, 16] += A[16, 32] . B[32, 16] (fp32 accumulators, bf16 pairs) takes
  * A as 16 rows of 32 bf16 (64 bytes each, any row stride) and B in pairs of k ("VNNI": row p
@@ -10,7 +12,8 @@
  * packed per call into 1 KB blocks of 16 pairs x 16 rows (a 16 x 16 transpose of 32-bit
  * words; rows past the count are zero), which is cheap next to the weight stream. A job is
  * 32 weight rows (two A tiles) against every 16-row block of the tokens, two at a time (four
- * accumulator tiles); the result tiles are transposed back into rows on the way out.
+ * accumulator tiles); the result tiles are transposed back into rows on the way out (the
+ * MoE call's hidden excepted: it stays by column).
  *
  * Needs K % 32 == 0 and N % 16 == 0 (checked by the caller, ops/cpu/amx.py), and the process
  * must have asked the kernel for the AMX state (moeserve_amx_enable). The reference is

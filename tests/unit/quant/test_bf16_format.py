@@ -105,9 +105,31 @@ def test_what_is_converted_and_what_stays(checkpoints):
 
 def test_config_keeps_fp32_activations():
     cfg = EngineConfig(model="m", quantization="bf16", device="cpu")
-    assert cfg.torch_dtype == torch.float32
+    assert cfg.weight_format == "bf16" and cfg.torch_dtype == torch.float32
     with pytest.raises(ValueError, match="bf16"):
         EngineConfig(model="m", quantization="bf8")
+
+
+@pytest.mark.parametrize("amx_here", [True, False])
+def test_auto_dtype_picks_bf16_weights_where_amx_runs(monkeypatch, amx_here):
+    """``dtype="auto"`` on a CPU with AMX: bf16 weights, fp32 activations; without AMX the
+    dtype alone decides (bf16 throughout on a CPU with fast bf16); an explicit dtype or
+    quantization is kept."""
+    import moeserve.config as config
+
+    monkeypatch.setattr(amx, "available", lambda: amx_here)
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    auto = EngineConfig(model="m", device="cpu")
+    if amx_here:
+        assert (auto.weight_format, auto.torch_dtype) == ("bf16", torch.float32)
+    else:
+        assert (auto.weight_format, auto.torch_dtype) == (None, torch.bfloat16)
+    explicit = EngineConfig(model="m", device="cpu", dtype="float32")
+    assert (explicit.weight_format, explicit.torch_dtype) == (None, torch.float32)
+    int8 = EngineConfig(model="m", device="cpu", quantization="int8")
+    assert (int8.weight_format, int8.torch_dtype) == ("int8", torch.float32)
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)  # AVX2 only: fp32
+    assert (auto.weight_format, auto.torch_dtype) == (None, torch.float32)
 
 
 @pytest.mark.skipif(not amx.available(), reason="no AMX here")
