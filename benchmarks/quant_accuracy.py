@@ -1,14 +1,19 @@
-"""Accuracy of int8 weight-only quantization against fp32 on the benchmark model.
+"""Accuracy of the weight formats (int8, bf16) against fp32 on the benchmark model.
 
 Engines on the same checkpoint (``benchmarks/bench_model.py``) see the same random prompts:
 
-    fp32     fp32 weights and activations: the reference
-    int8     ``quantization="int8"`` (fp32 activations)
-    oracle   the fp32 engine with its weights replaced in place by ``q * scale``: what the
-             int8 engine holds, so int8 against oracle isolates the kernels (~1e-6 expected)
-    bf16     bf16 weights and activations, no quantization: how much this model moves under
-             a perturbation of the same order (its random weights make it chaotic: routing
-             flips between near-tied experts)
+    fp32         fp32 weights and activations: the reference
+    int8         ``quantization="int8"`` (fp32 activations)
+    oracle       the fp32 engine with its weights replaced in place by ``q * scale``: what the
+                 int8 engine holds, so int8 against oracle isolates the kernels (~1e-6
+                 expected)
+    bf16w        ``quantization="bf16"``: bf16 weights, fp32 activations (on AMX the GEMMs
+                 round their input rows to bf16)
+    bf16 oracle  the fp32 engine with those weights rounded to bf16 in place: bf16w against it
+                 isolates what the AMX GEMMs add (the activations' rounding)
+    bf16         ``dtype="bfloat16"``: bf16 weights and activations throughout; how much this
+                 model moves under a perturbation of that order (its random weights make it
+                 chaotic: routing flips between near-tied experts)
 
 Against fp32, for each: prompt log-probabilities (for every position after the first, the
 log-probability of the prompt's token; mean and max absolute difference, and how often the
@@ -56,13 +61,17 @@ def evaluate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 @torch.no_grad()
-def fake_quantize(llm: LLM) -> None:
-    """Replace every weight int8 would quantize by ``q * scale`` in fp32, in place."""
+def fake_quantize(llm: LLM, fmt: str = "int8") -> None:
+    """Replace every weight the format converts by what it holds, in fp32, in place: int8's
+    ``q * scale``, or the weight rounded to bf16."""
     model = llm.engine.model
     for module, name in list(int8_targets(model)):
         p = getattr(module, name)
-        q, scale = quantize_rows(p.data)
-        p.data.copy_(q.float() * scale.unsqueeze(-1))
+        if fmt == "int8":
+            q, scale = quantize_rows(p.data)
+            p.data.copy_(q.float() * scale.unsqueeze(-1))
+        else:
+            p.data.copy_(p.data.bfloat16().float())
     model.process_weights_after_loading()  # MLA's absorbed weights from the new kv_b_proj
 
 
@@ -90,7 +99,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 sensitivity run")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 runs")
     ap.add_argument("--out", default="quant_accuracy.json")
     args = ap.parse_args()
     model = args.model or str(bench_model_path())
@@ -122,12 +131,23 @@ def main() -> None:
     )
     gc.collect()
     if not args.no_bf16:
+        runs["bf16w"] = evaluate(
+            LLM(dtype="float32", quantization="bf16", **engine), prompts, args.new_tokens
+        )
+        gc.collect()
+        llm = LLM(dtype="float32", **engine)
+        fake_quantize(llm, "bf16")
+        runs["bf16 oracle"] = evaluate(llm, prompts, args.new_tokens)
+        del llm
+        gc.collect()
         runs["bf16"] = evaluate(LLM(dtype="bfloat16", **engine), prompts, args.new_tokens)
     cases = {
         "int8 vs fp32": compare(runs["fp32"], runs["int8"]),
         "int8 vs oracle": compare(runs["oracle"], runs["int8"]),
     }
     if "bf16" in runs:
+        cases["bf16w vs fp32"] = compare(runs["fp32"], runs["bf16w"])
+        cases["bf16w vs bf16 oracle"] = compare(runs["bf16 oracle"], runs["bf16w"])
         cases["bf16 vs fp32"] = compare(runs["fp32"], runs["bf16"])
     ref_lp = [a[0] for p in runs["fp32"]["positions"] for a in p]
     result = {
@@ -154,6 +174,13 @@ def main() -> None:
             f"| {name} | {c['mean_abs_logprob_diff']:.2e} | {c['max_abs_logprob_diff']:.2e} "
             f"| {100 * c['argmax_agreement']:.1f}% | {c['greedy_identical']}/{n} | {div} |"
         )
+    if (
+        "bf16 oracle" in runs
+        and compare(runs["fp32"], runs["bf16 oracle"])["max_abs_logprob_diff"] == 0
+    ):
+        result["bf16_oracle_is_fp32"] = True
+        print("(the bf16 oracle equals fp32: the checkpoint's weights are bf16 already, so")
+        print(" bf16w differs from fp32 only by the activations rounded inside its GEMMs)")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out} ({result['seconds']} s)")
 
