@@ -1,7 +1,8 @@
-"""The bf16 AMX kernels of ``amx.c``: the projection ``x @ w.T`` and the routed-expert FFN of
-an MoE layer, for bf16 activations and weights on CPUs with AMX (``amx_bf16``, with
-AVX512-BF16 for the conversions). The weight is read straight from its ``[N, K]`` rows, so
-no packed copy is kept; the activations are packed per call.
+"""The bf16 AMX kernels of ``amx.c``: the projection ``x @ w.T``, its per-head form (MLA's
+absorbed products) and the routed-expert FFN of an MoE layer, for bf16 weights and fp32 or
+bf16 activations (fp32 rows are rounded to bf16 as they are packed) on CPUs with AMX
+(``amx_bf16``, with AVX512-BF16 for the conversions). The weight is read straight from its
+``[N, K]`` rows, so no packed copy is kept; the activations are packed per call.
 
 References: ``F.linear`` in bf16 (fp32 accumulation, bf16 result) for :func:`gemm_nt`, and
 ``layers/moe.py: moe_reference`` for :func:`moe_experts`. :func:`available` is False (and
@@ -136,9 +137,9 @@ def head_gemm_nt(
     """``x[h] @ w[h].T`` for every head h in one call (:func:`head_usable`; the reference is
     ``torch.bmm(x, w.transpose(1, 2))``). fp32 ``x`` is rounded to bf16 as it is packed.
     Any head and row strides with unit-stride rows; ``out_HMN`` (bf16 or fp32) receives the
-    result when given, else a new bf16 tensor."""
+    result when given, else a new tensor of ``x``'s dtype."""
     if out_HMN is None:
-        out_HMN = torch.empty(*x_HMK.shape[:2], w_HNK.shape[1], dtype=torch.bfloat16)
+        out_HMN = torch.empty(*x_HMK.shape[:2], w_HNK.shape[1], dtype=x_HMK.dtype)
     _call(x_HMK, w_HNK, out_HMN)
     return out_HMN
 
