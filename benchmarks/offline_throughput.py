@@ -320,7 +320,12 @@ def run_speculative(args, model_dir: str, vocab: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--formats", default="fp32,int8,bf16", help="weight formats: fp32, int8, bf16")
+    ap.add_argument(
+        "--formats",
+        default=None,
+        help="weight formats: fp32, int8, bf16 (default: all three on a CPU with AMX, else fp32 "
+        "and int8: without AMX bf16 weights are widened per call)",
+    )
     ap.add_argument(
         "--dtype",
         default="float32",
@@ -370,6 +375,10 @@ def main() -> None:
     args.prefill = [int(n) for n in args.prefill.split(",")]
     global PROMPT_SEED_OFFSET
     PROMPT_SEED_OFFSET = args.prompt_seed_offset
+    if args.formats is None:
+        from moeserve.ops.cpu import amx
+
+        args.formats = "fp32,int8,bf16" if args.device == "cpu" and amx.available() else "fp32,int8"
     formats = args.formats.split(",")
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(bench_model_path())
