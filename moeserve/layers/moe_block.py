@@ -200,11 +200,10 @@ class MoEBlock(nn.Module):
 class MoEDecodeCalls:
     """The routed experts of a decode step (few rows, no EP) as kernel calls whose arguments
     are derived once: router logits, routing (``kernels.c``), the pairs sorted by expert and
-    gathered (``moe_sort.c``), the one-call MoE kernel (int8 directly, fp32 through
-    ``kernels.moe_experts``, bf16 weights through ``amx.moe_experts``), the rows added back
-    per token. The torch path of :meth:`MoEBlock.forward` (``FusedExperts``,
-    ``moe_grouped``) is the reference and runs where this does not apply; the two agree bit
-    for bit."""
+    gathered (``moe_sort.c``), the one-call MoE kernel (int8 and bf16 weights directly,
+    fp32 through ``kernels.moe_experts``), the rows added back per token. The torch path of
+    :meth:`MoEBlock.forward` (``FusedExperts``, ``moe_grouped``) is the reference and runs
+    where this does not apply; the two agree bit for bit."""
 
     def __init__(self, block: MoEBlock) -> None:
         c, gate, experts = block.gate.config, block.gate, block.experts
@@ -232,11 +231,16 @@ class MoEDecodeCalls:
             self.max_rows = int8_kernels.MAX_ROWS
         else:
             self.max_rows = kernels.MAX_ROWS
-        bf16 = experts.w13_EFD.dtype == torch.bfloat16  # --quantization bf16, on AMX
-        self.dense_fn = amx.moe_experts if bf16 else kernels.moe_experts
+        self.amx_fn = None  # bf16 weights (--quantization bf16, on AMX): amx.c directly
+        bf16 = (experts.w13_EFD, experts.w2_EDF) if q13 is None else ()
+        if bf16 and bf16[0].dtype == torch.bfloat16:
+            self.amx_fn = amx._library().moeserve_amx_moe
+            self.amx_w = tuple(t.data_ptr() for t in bf16)
+        else:
+            bf16 = ()
         self.wide = int(kernels.wide())
         # every tensor whose address the calls use, with that address
-        w = (q13.q, q13.scale, q2.q, q2.scale) if q13 is not None else ()
+        w = (q13.q, q13.scale, q2.q, q2.scale) if q13 is not None else bf16
         w += (*(() if bias is None else (bias,)), self.counts)
         self.pointers = [(t, t.data_ptr()) for t in w] + list(self.gate.pointers)
         self.T = 0  # the row count the buffers below are for
@@ -312,6 +316,14 @@ class MoEDecodeCalls:
         self.int8_meta = (m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr(), D, self.F)
         self.int8_meta += (self.x_sorted.data_ptr(),)
         self.int8_out = (self.weight.data_ptr(), self.h.data_ptr(), self.y_sorted.data_ptr())
+        if self.amx_fn is not None:
+            # the AMX call pads each expert's rows to 16: at most 15 more per expert hit
+            P = R + 15 * min(R, self.num_slots)
+            self.amx_h = torch.empty(P, 2 * self.F, dtype=torch.float32)
+            self.amx_xp, self.amx_hp = amx._packed(P, D), amx._packed(P, self.F)
+            self.amx_x = (*self.int8_meta, 1, *self.amx_w, self.weight.data_ptr())
+            self.amx_out = (self.y_sorted.data_ptr(), 1, self.amx_xp.data_ptr())
+            self.amx_out += (self.amx_h.data_ptr(), self.amx_hp.data_ptr())
         self.T = T
 
     def __call__(self, x_TD: torch.Tensor) -> torch.Tensor | None:
@@ -333,10 +345,15 @@ class MoEDecodeCalls:
         if self.int8_fn is not None:
             self.int8_fn(G, *self.int8_meta, *self.int8_w, *self.int8_out, self.wide)
             y_RD = self.y_sorted
-        else:  # fp32 or bf16: the kernel through its wrapper, which takes lists of groups
+        elif self.amx_fn is not None:  # fp32 rows in and out (the 1s), bf16 weights
+            self.amx_fn(G, *self.amx_x, *self.amx_out)
+            y_RD = self.y_sorted
+        else:  # fp32: the kernel through its wrapper, which takes the groups as lists
             experts, _starts, counts = self.meta[:, :G].tolist()
             e = self.block.experts
-            y_RD = self.dense_fn(self.x_sorted, experts, counts, e.w13_EFD, e.w2_EDF, self.weight)
+            y_RD = kernels.moe_experts(
+                self.x_sorted, experts, counts, e.w13_EFD, e.w2_EDF, self.weight
+            )
         if T == 1:  # the reference's sum, so the result matches it bit for bit
             return y_RD.sum(dim=0, keepdim=True)
         y_TD = torch.empty(T, self.D, dtype=torch.float32)
