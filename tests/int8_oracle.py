@@ -5,6 +5,7 @@ must match the int8 engine up to summation order (~1e-5), a check a broken kerne
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,16 +31,28 @@ def fake_quantize(t: torch.Tensor, column_parts: int = 1) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def write_int8_oracle(src: Path, dst: Path, tp: int = 1) -> Path:
-    """Copy ``src`` to ``dst`` with every quantized tensor fake-quantized in fp32. ``tp``: the
-    row-parallel weights (``o_proj``, ``down_proj``) are quantized per tensor-parallel
-    column shard, as each rank does."""
+def write_oracle(
+    src: Path, dst: Path, convert: Callable[[str, torch.Tensor], torch.Tensor]
+) -> Path:
+    """Copy ``src`` to ``dst`` with every tensor a weight format converts (:func:`is_quantized`)
+    replaced by ``convert(name, tensor)``: what that format's engine holds, in fp32."""
     shutil.copytree(src, dst)
     for path in dst.glob("*.safetensors"):
         tensors = load_file(str(path))
         for name, t in tensors.items():
             if is_quantized(name, t):
-                row_parallel = name.endswith(("o_proj.weight", "down_proj.weight"))
-                tensors[name] = fake_quantize(t, tp if row_parallel else 1)
+                tensors[name] = convert(name, t)
         save_file(tensors, str(path), metadata={"format": "pt"})
     return dst
+
+
+def write_int8_oracle(src: Path, dst: Path, tp: int = 1) -> Path:
+    """Copy ``src`` to ``dst`` with every quantized tensor fake-quantized in fp32. ``tp``: the
+    row-parallel weights (``o_proj``, ``down_proj``) are quantized per tensor-parallel
+    column shard, as each rank does."""
+
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        row_parallel = name.endswith(("o_proj.weight", "down_proj.weight"))
+        return fake_quantize(t, tp if row_parallel else 1)
+
+    return write_oracle(src, dst, convert)

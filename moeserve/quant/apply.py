@@ -20,7 +20,7 @@ attention keep their fp32 kernels, and only the GEMMs read the narrow weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -45,30 +45,33 @@ def int8_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
             yield module, "weight"
 
 
-def quantize_int8(model: nn.Module) -> int:
-    """Replace the weights of :func:`int8_targets` by empty :class:`Int8Weight` modules of the
-    same shape and device; returns how many. Call before loading the checkpoint."""
+def _replace_targets(model: nn.Module, make: Callable[[nn.Parameter], nn.Module]) -> int:
+    """Put ``make(p)`` in place of each parameter ``p`` of :func:`int8_targets`; how many."""
     targets = [
         (m, name) for m, name in int8_targets(model) if isinstance(getattr(m, name), nn.Parameter)
     ]
     for module, name in targets:
         p = getattr(module, name)
         delattr(module, name)
-        setattr(module, name, Int8Weight(tuple(p.shape), device=p.device))
+        setattr(module, name, make(p))
     return len(targets)
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """Replace the weights of :func:`int8_targets` by empty :class:`Int8Weight` modules of the
+    same shape and device; returns how many. Call before loading the checkpoint."""
+    return _replace_targets(model, lambda p: Int8Weight(tuple(p.shape), device=p.device))
 
 
 def to_bf16(model: nn.Module) -> int:
     """Replace the weights of :func:`int8_targets` by empty bf16 parameters of the same shape
     and device; returns how many. Call before loading the checkpoint."""
-    targets = [
-        (m, name) for m, name in int8_targets(model) if isinstance(getattr(m, name), nn.Parameter)
-    ]
-    for module, name in targets:
-        p = getattr(module, name)
+
+    def bf16(p: nn.Parameter) -> nn.Parameter:
         w = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
-        setattr(module, name, nn.Parameter(w, requires_grad=False))
-    return len(targets)
+        return nn.Parameter(w, requires_grad=False)
+
+    return _replace_targets(model, bf16)
 
 
 def apply_quantization(model: nn.Module, method: str | None) -> None:

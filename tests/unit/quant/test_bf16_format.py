@@ -5,19 +5,17 @@ where they run on AMX (``ops/cpu/amx.c``)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import EngineConfig
 from moeserve.models.loader import load_model
 from moeserve.ops.cpu import amx
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
-from tests.int8_oracle import is_quantized
+from tests.int8_oracle import write_oracle
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
 ENGINE = dict(dtype="float32", max_model_len=160, progress=False)
@@ -45,14 +43,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 def write_bf16_oracle(src: Path, dst: Path) -> Path:
     """``src`` with every weight the format converts rounded to bf16 (stored in fp32)."""
-    shutil.copytree(src, dst)
-    for path in dst.glob("*.safetensors"):
-        tensors = load_file(str(path))
-        for name, t in tensors.items():
-            if is_quantized(name, t):
-                tensors[name] = t.bfloat16().float()
-        save_file(tensors, str(path), metadata={"format": "pt"})
-    return dst
+    return write_oracle(src, dst, lambda name, t: t.bfloat16().float())
 
 
 def _generate(path: Path, **kw):
