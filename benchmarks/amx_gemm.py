@@ -1,16 +1,20 @@
-"""The bf16 AMX kernels (``ops/cpu/amx.c``) against the other ways to run the same product.
+"""The AMX kernels (``ops/cpu/amx.c``: bf16, ``ops/cpu/amx_int8.c``: w8a8 int8) against the
+other ways to run the same product.
 
 Projection ``x [M, K] @ w.T`` with ``w [N, K]`` at token rows M from decode to prefill:
 
-    amx f32-x   the kernel with fp32 rows and bf16 weights (--quantization bf16)
-    amx bf16-x  the kernel with bf16 rows (--dtype bfloat16)
+    amx f32-x   the bf16 kernel with fp32 rows and bf16 weights (--quantization bf16)
+    amx bf16-x  the bf16 kernel with bf16 rows (--dtype bfloat16)
     onednn      F.linear in bf16 (oneDNN's AMX GEMM, which packs the weight per call)
+    amx w8a8    the int8 kernel: int8 weights, rows quantized per token (w8a8_int8)
+    int8        the weight-only int8 kernel, fp32 rows (--quantization int8, int8.c)
     fp32        ops/linear.linear on the fp32 weight (moeserve's fp32 kernel or MKL)
 
 and the routed-expert call of one MoE layer (benchmark model shapes, 64 experts, top 6) at
-1 to 2048 tokens: the AMX call on bf16 weights against the fp32 call on fp32 weights. The
+1 to 2048 tokens, the same formats' calls against the fp32 call on fp32 weights. The
 variants of each row run interleaved, median of ``--rounds`` (the host is noisy); prints
-GFLOP/s and the weight stream in GB/s, writes JSON.
+GFLOP/s and the weight stream in GB/s, writes JSON. Without AMX-INT8 the w8a8 variants are
+left out.
 
     python benchmarks/amx_gemm.py [--rounds 5] [--threads 2]
 """
@@ -26,8 +30,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import amx, kernels
+from moeserve.ops.cpu import amx, amx_int8, kernels
+from moeserve.ops.cpu import int8 as int8_kernels
 from moeserve.ops.linear import linear
+from moeserve.quant.int8 import Int8Tensor, quantize_rows
+
+PROJECTIONS = ("amx f32-x", "amx bf16-x", "onednn", "amx w8a8", "int8", "fp32")
+MOE = ("amx bf16", "amx w8a8", "int8", "fp32")
+
+
+WEIGHT_BYTES = {"fp32": 4, "int8": 1, "amx w8a8": 1}  # bytes per weight element; else bf16's 2
+
+
+def weight_bytes(variant: str) -> int:
+    return WEIGHT_BYTES.get(variant, 2)
 
 
 def timed(fn, reps: int) -> float:
@@ -51,6 +67,7 @@ def projections(args) -> list[dict]:
     N, K = args.n, args.k
     w32 = torch.randn(N, K)
     w16 = w32.bfloat16()
+    w8 = Int8Tensor(*quantize_rows(w32))
     rows = []
     for M in args.rows:
         x32 = torch.randn(M, K)
@@ -60,13 +77,17 @@ def projections(args) -> list[dict]:
             "amx f32-x": lambda x32=x32, out32=out32: amx.gemm_nt(x32, w16, out=out32),
             "amx bf16-x": lambda x16=x16: amx.gemm_nt(x16, w16),
             "onednn": lambda x16=x16: F.linear(x16, w16),
+            "amx w8a8": lambda x32=x32, out32=out32: amx_int8.gemm_nt(x32, w8, out=out32),
+            "int8": lambda x32=x32, out32=out32: int8_kernels.gemm_nt(x32, w8, out=out32),
             "fp32": lambda x32=x32: linear(x32, w32),
         }
+        if not amx_int8.available():
+            del variants["amx w8a8"]
         reps = max(2, min(200, int(2e9 / (2 * M * N * K + 4e7))))
         t = median_times(variants, args.rounds, reps)
         flops = 2 * M * N * K
         for name, s in t.items():
-            wbytes = N * K * (4 if name == "fp32" else 2)
+            wbytes = N * K * weight_bytes(name)
             rows.append(
                 dict(kind="projection", M=M, N=N, K=K, variant=name, seconds=s,
                      gflops=flops / s / 1e9, weight_gbs=wbytes / s / 1e9)
@@ -79,6 +100,7 @@ def moe_calls(args) -> list[dict]:
     w13 = torch.randn(E, 2 * F_, D) / D**0.5
     w2 = torch.randn(E, D, F_) / F_**0.5
     w13_16, w2_16 = w13.bfloat16(), w2.bfloat16()
+    w13_8, w2_8 = Int8Tensor(*quantize_rows(w13)), Int8Tensor(*quantize_rows(w2))
     g = torch.Generator().manual_seed(0)
     rows = []
     for T in args.tokens:
@@ -91,20 +113,43 @@ def moe_calls(args) -> list[dict]:
         w = torch.rand(R)
         args16 = (x, experts, counts, w13_16, w2_16, w)
         args32 = (x, experts, counts, w13, w2, w)
+        args8 = (x, experts, counts, w13_8, w2_8, w)
         variants = {
-            "amx": lambda a=args16: amx.moe_experts(*a),
+            "amx bf16": lambda a=args16: amx.moe_experts(*a),
+            "amx w8a8": lambda a=args8: amx_int8.moe_experts(*a),
+            "int8": lambda a=args8: int8_kernels.moe_experts(*a),
             "fp32": lambda a=args32: kernels.moe_experts(*a),
         }
+        if not amx_int8.available():
+            del variants["amx w8a8"]
         reps = 20 if T <= 64 else 3
         t = median_times(variants, args.rounds, reps)
         flops = 2 * R * 3 * D * F_
         for name, s in t.items():
-            wbytes = len(experts) * 3 * D * F_ * (2 if name == "amx" else 4)
+            wbytes = len(experts) * 3 * D * F_ * weight_bytes(name)
             rows.append(
                 dict(kind="moe", tokens=T, variant=name, seconds=s, gflops=flops / s / 1e9,
                      weight_gbs=wbytes / s / 1e9)
             )  # fmt: skip
     return rows
+
+
+def table(rows: list[dict], key: str, values: list[int], variants: tuple[str, ...]) -> None:
+    """One line per ``key`` value: GFLOP/s and weight GB/s of each variant (and its speed-up
+    over fp32 for the MoE call)."""
+    names = [v for v in variants if any(r["variant"] == v for r in rows)]
+    print(f"{key:>6}" + "".join(f"{v:>26}" for v in names))
+    for val in values:
+        cells = {r["variant"]: r for r in rows if r[key] == val}
+        fp32 = cells["fp32"]["seconds"]
+        print(
+            f"{val:>6}"
+            + "".join(
+                f"{cells[v]['gflops']:>7.0f} GF {cells[v]['weight_gbs']:>5.1f} GB/s "
+                f"{fp32 / cells[v]['seconds']:>4.1f}x"
+                for v in names
+            )
+        )
 
 
 def main() -> None:
@@ -124,20 +169,10 @@ def main() -> None:
         raise SystemExit("no AMX on this CPU (or the kernel refused the tile state)")
     rows = projections(args)
     print(f"projection N={args.n} K={args.k}, {args.threads} threads, median of {args.rounds}")
-    print(f"{'M':>6}" + "".join(f"{v:>22}" for v in ("amx f32-x", "amx bf16-x", "onednn", "fp32")))
-    for M in args.rows:
-        cells = [r for r in rows if r["M"] == M]
-        print(
-            f"{M:>6}"
-            + "".join(f"{r['gflops']:>9.0f} GF {r['weight_gbs']:>5.1f} GB/s" for r in cells)
-        )
+    table(rows, "M", args.rows, PROJECTIONS)
     moe = moe_calls(args)
-    print("\nMoE call (64 experts, top 6, D 1024, F 512): amx (bf16 weights) against fp32")
-    print(f"{'tokens':>6}{'amx':>22}{'fp32':>22}{'ratio':>8}")
-    for T in args.tokens:
-        a, f = (r for r in moe if r["tokens"] == T)
-        cells = "".join(f"{r['gflops']:>9.0f} GF {r['weight_gbs']:>5.1f} GB/s" for r in (a, f))
-        print(f"{T:>6}{cells}{f['seconds'] / a['seconds']:>7.2f}x")
+    print("\nMoE call (64 experts, top 6, D 1024, F 512); x: fp32 seconds / the variant's")
+    table(moe, "tokens", args.tokens, MOE)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(rows=rows + moe, torch=torch.__version__), indent=2) + "\n")

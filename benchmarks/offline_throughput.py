@@ -1,15 +1,18 @@
 """Offline throughput: moeserve against transformers on the benchmark model, in one run.
 
-For each weight format (fp32; int8 weight-only quantization; bf16 weights with fp32
-activations, ``--quantization bf16``, run on AMX where the CPU has it): decode tokens/s at
+For each weight format (fp32; int8 weight-only quantization; w8a8_int8, the same int8
+weights with each GEMM's rows quantized to int8 per token, run on AMX's int8 products; bf16
+weights with fp32 activations, ``--quantization bf16``, run on AMX): decode tokens/s at
 batch 1, 8, 32 and 64 and prefill tokens/s of one 512- and one 2048-token prompt;
 transformers' ``generate`` and forward on the same checkpoint in fp32; the roofline of each
 case (decode: bytes a step reads / the read bandwidth measured here; prefill: FLOPs / the
-GEMM peak measured here, fp32 for fp32 and int8, bf16 for bf16) and the fraction of it
+GEMM peak measured here, fp32 for fp32 and int8, int8 for w8a8_int8, bf16 for bf16) and
+the fraction of it
 reached. Prints a table, writes JSON and a plot of
 tokens/s against batch size with the rooflines drawn in.
 
-    python benchmarks/offline_throughput.py [--formats fp32,int8,bf16] [--threads 2] [--profile DIR]
+    python benchmarks/offline_throughput.py [--formats fp32,int8,w8a8_int8,bf16] [--threads 2]
+        [--profile DIR]
     python benchmarks/offline_throughput.py --model DIR --speculative-num-tokens K[,K...] \
         [--formats fp32,int8] [--hot-vocab N | --speculative-token-map FILE]      # MTP
 """
@@ -140,7 +143,10 @@ def run_moeserve(
 
 
 def peak_dtype_of(args, fmt: str) -> torch.dtype:
-    """The GEMM peak a format's prefill is held to: bf16 for bf16 weights or activations."""
+    """The GEMM peak a format's prefill is held to: bf16 for bf16 weights or activations,
+    int8 (AMX's int8 products) for w8a8_int8."""
+    if fmt == "w8a8_int8":
+        return torch.int8
     return torch.bfloat16 if fmt == "bf16" or args.dtype == "bfloat16" else torch.float32
 
 
@@ -184,6 +190,7 @@ def plot(path: Path, args, results: dict, roofs: dict) -> None:
     colors = {
         "fp32": "tab:blue",
         "int8": "tab:orange",
+        "w8a8_int8": "tab:red",
         "bf16": "tab:green",
         "transformers": "tab:gray",
     }
@@ -323,8 +330,9 @@ def main() -> None:
     ap.add_argument(
         "--formats",
         default=None,
-        help="weight formats: fp32, int8, bf16 (default: all three on a CPU with AMX, else fp32 "
-        "and int8: without AMX bf16 weights are widened per call)",
+        help="weight formats: fp32, int8, w8a8_int8, bf16 (default: all four on a CPU with AMX, "
+        "else fp32 and int8: without AMX bf16 weights are widened per call and w8a8_int8 "
+        "rounds rows in torch)",
     )
     ap.add_argument(
         "--dtype",
@@ -376,9 +384,12 @@ def main() -> None:
     global PROMPT_SEED_OFFSET
     PROMPT_SEED_OFFSET = args.prompt_seed_offset
     if args.formats is None:
-        from moeserve.ops.cpu import amx
+        from moeserve.ops.cpu import amx, amx_int8
 
-        args.formats = "fp32,int8,bf16" if args.device == "cpu" and amx.available() else "fp32,int8"
+        cpu = args.device == "cpu"
+        args.formats = "fp32,int8"
+        args.formats += ",w8a8_int8" if cpu and amx_int8.available() else ""
+        args.formats += ",bf16" if cpu and amx.available() else ""
     formats = args.formats.split(",")
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(bench_model_path())

@@ -1,4 +1,4 @@
-"""Accuracy of the weight formats (int8, bf16) against fp32 on the benchmark model.
+"""Accuracy of the weight formats (int8, w8a8_int8, bf16) against fp32 on the benchmark model.
 
 Engines on the same checkpoint (``benchmarks/bench_model.py``) see the same random prompts:
 
@@ -7,6 +7,8 @@ Engines on the same checkpoint (``benchmarks/bench_model.py``) see the same rand
     oracle       the fp32 engine with its weights replaced in place by ``q * scale``: what the
                  int8 engine holds, so int8 against oracle isolates the kernels (~1e-6
                  expected)
+    w8a8         ``quantization="w8a8_int8"``: int8's weights, each GEMM's rows rounded to int8
+                 per token; against oracle it shows what the activations' rounding adds
     bf16w        ``quantization="bf16"``: bf16 weights, fp32 activations (on AMX the GEMMs
                  round their input rows to bf16)
     bf16 oracle  the fp32 engine with those weights rounded to bf16 in place: bf16w against it
@@ -130,6 +132,10 @@ def main() -> None:
         LLM(dtype="float32", quantization="int8", **engine), prompts, args.new_tokens
     )
     gc.collect()
+    runs["w8a8"] = evaluate(
+        LLM(dtype="float32", quantization="w8a8_int8", **engine), prompts, args.new_tokens
+    )
+    gc.collect()
     if not args.no_bf16:
         runs["bf16w"] = evaluate(
             LLM(dtype="float32", quantization="bf16", **engine), prompts, args.new_tokens
@@ -144,6 +150,8 @@ def main() -> None:
     cases = {
         "int8 vs fp32": compare(runs["fp32"], runs["int8"]),
         "int8 vs oracle": compare(runs["oracle"], runs["int8"]),
+        "w8a8 vs fp32": compare(runs["fp32"], runs["w8a8"]),
+        "w8a8 vs oracle": compare(runs["oracle"], runs["w8a8"]),
     }
     if "bf16" in runs:
         cases["bf16w vs fp32"] = compare(runs["fp32"], runs["bf16w"])

@@ -19,6 +19,8 @@ import torch
 FORMATS = {
     "fp32": dict(linear=4.0, scale=0.0, kv_b=4.0),
     "int8": dict(linear=1.0, scale=4.0, kv_b=4.0),
+    # int8 weights read by AMX's int8 products; the absorbed MLA weights are bf16 there
+    "w8a8_int8": dict(linear=1.0, scale=4.0, kv_b=2.0),
     # bf16 weights: --quantization bf16 (fp32 activations), or the fp32 format in bf16 (GPUs)
     "bf16": dict(linear=2.0, scale=0.0, kv_b=2.0),
 }
@@ -137,7 +139,14 @@ def measure_gemm_peak(
     on a CPU also of moeserve's own kernel (fp32: at its largest row block,
     ``ops/cpu/kernels.py``, which outruns MKL where it has AVX-512; bf16: the AMX kernel,
     ``ops/cpu/amx.py``), so that no case can pass 100%. bf16 on a CPU without AMX: the fp32
-    figure (the bf16 weight format then computes in fp32)."""
+    figure (the bf16 weight format then computes in fp32). int8: the int8 AMX kernel
+    (``ops/cpu/amx_int8.py``, int8 operations per second), else the fp32 figure."""
+    if dtype == torch.int8:
+        from moeserve.ops.cpu import amx_int8
+
+        if device != "cpu" or not amx_int8.available():
+            return measure_gemm_peak(device, repeats)
+        return _amx_int8_gemm_peak(repeats)
     if dtype == torch.bfloat16 and device == "cpu":
         from moeserve.ops.cpu import amx
 
@@ -160,21 +169,39 @@ def measure_gemm_peak(
     return best
 
 
+def _best_gemm_rate(gemm, shapes, weight, repeats: int) -> float:
+    """Best FLOP/s of ``gemm(x, w, out=out)`` over ``shapes`` (m, n, k), with fp32 rows and
+    the weight ``weight(n, k)`` makes."""
+    best = 0.0
+    for m, n, k in shapes:
+        x, w, out = torch.randn(m, k), weight(n, k), torch.empty(m, n)
+        gemm(x, w, out=out)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            gemm(x, w, out=out)
+            best = max(best, 2 * m * n * k / (time.perf_counter() - t0))
+    return best
+
+
+def _amx_int8_gemm_peak(repeats: int) -> float:
+    """The int8 AMX kernel (w8a8_int8) at the rows of a prefill MoE expert and of a
+    projection, and at 512 rows where it peaks (benchmarks/amx_gemm.py)."""
+    from moeserve.ops.cpu import amx_int8
+    from moeserve.quant.int8 import Int8Tensor, quantize_rows
+
+    shapes = ((192, 4096, 1024), (512, 2816, 2048), (2048, 2048, 1024))
+    weight = lambda n, k: Int8Tensor(*quantize_rows(torch.randn(n, k)))  # noqa: E731
+    return _best_gemm_rate(amx_int8.gemm_nt, shapes, weight, repeats)
+
+
 def _amx_gemm_peak(repeats: int) -> float:
     """The AMX kernel on fp32 rows and bf16 weights (what --quantization bf16 runs), at the
     rows of a 2048-token prefill's MoE expert and of a projection."""
     from moeserve.ops.cpu import amx
 
-    best = 0.0
-    for m, n, k in ((192, 4096, 1024), (2048, 2048, 1024)):
-        x, w = torch.randn(m, k), torch.randn(n, k, dtype=torch.bfloat16)
-        out = torch.empty(m, n)
-        amx.gemm_nt(x, w, out=out)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            amx.gemm_nt(x, w, out=out)
-            best = max(best, 2 * m * n * k / (time.perf_counter() - t0))
-    return best
+    shapes = ((192, 4096, 1024), (2048, 2048, 1024))
+    weight = lambda n, k: torch.randn(n, k, dtype=torch.bfloat16)  # noqa: E731
+    return _best_gemm_rate(amx.gemm_nt, shapes, weight, repeats)
 
 
 def _kernel_gemm_peak(repeats: int) -> float:

@@ -18,8 +18,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         default="none",
         help="int8: weight-only int8 (per-output-channel scales), quantized at load from a "
-        "bf16, fp32 or FP8 checkpoint; bf16: weights held in bf16 (the GEMMs run on AMX where "
-        "the CPU has it); activations stay fp32 under both (default: none)",
+        "bf16, fp32 or FP8 checkpoint; w8a8_int8: the same weights, and each GEMM rounds its "
+        "input rows to int8 per token (AMX's int8 tiles where the CPU has them); bf16: "
+        "weights held in bf16 (the GEMMs run on AMX where the CPU has it); the tensors between "
+        "ops stay fp32 under all three (default: none)",
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

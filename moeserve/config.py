@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import torch
 
-from moeserve.quant import WEIGHT_ONLY, normalize_quantization
+from moeserve.quant import FP32_ACTIVATIONS, normalize_quantization
 
 _DTYPES = {
     "float32": torch.float32,
@@ -80,7 +80,7 @@ class EngineConfig:
     speculative_num_tokens: int = 0
     # a file of hot token ids the drafts are proposed from (spec/hot_vocab.py); None: all
     speculative_token_map: str | None = None
-    quantization: str | None = None  # None | "none" | "int8" | "bf16": weights, applied at load
+    quantization: str | None = None  # None | "none" | "int8" | "w8a8_int8" | "bf16": at load
     num_threads: int | None = None
     seed: int = 0
     progress: bool = True
@@ -200,7 +200,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         device = self.torch_device
-        if self.dtype == "auto" and device.type == "cpu" and self.weight_format in WEIGHT_ONLY:
+        if self.dtype == "auto" and device.type == "cpu" and self.weight_format in FP32_ACTIVATIONS:
             return torch.float32  # the int8 and bf16-weight CPU kernels take fp32 activations
         return resolve_dtype(self.dtype, device)
 

@@ -35,7 +35,7 @@ from moeserve.ops.cpu import kernels as cpu_kernels
 from moeserve.ops.cpu import rope as rope_kernels
 from moeserve.ops.linear import BoundLinear
 from moeserve.ops.prefill_attention import causal_attention_parts
-from moeserve.quant.int8 import dense
+from moeserve.quant.int8 import as_int8, dense
 
 
 class MLAttention(nn.Module):
@@ -81,11 +81,18 @@ class MLAttention(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self._decode_calls = None  # weights move or change: bind again on the next decode
-        # an int8 kv_b_proj (quant/) is absorbed dequantized, in the model dtype
-        w = dense(self.kv_b_proj.weight, self.kv_a_layernorm.weight.dtype)
-        w = w.view(self.H, self.N + self.V, self.C)
+        # an int8 kv_b_proj (quant/) is absorbed dequantized, in the model dtype; a w8a8_int8
+        # one in bf16 where the AMX kernels take it (its GEMMs already round their inputs to
+        # int8; the bf16 head products are 3.3x the fp32 ones at 32 rows)
+        q = as_int8(self.kv_b_proj.weight)
+        dtype = self.kv_a_layernorm.weight.dtype
+        w = dense(self.kv_b_proj.weight, dtype).view(self.H, self.N + self.V, self.C)
         self.w_uk_HCN = w[:, : self.N, :].transpose(1, 2).contiguous()
         self.w_uv_HVC = w[:, self.N :, :].contiguous()
+        if q is not None and q.act_int8 and q.device.type == "cpu" and amx.available():
+            uk, uv = self.w_uk_HCN.bfloat16(), self.w_uv_HVC.bfloat16()
+            if amx.weight_ok(uk) and amx.weight_ok(uv):
+                self.w_uk_HCN, self.w_uv_HVC = uk, uv
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         specs: dict[str, WeightSpec] = {}

@@ -16,7 +16,7 @@ from moeserve.distributed.groups import Axis
 from moeserve.layers.linear import shard_range
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
-from moeserve.ops.cpu import amx, kernels
+from moeserve.ops.cpu import amx, amx_int8, kernels
 from moeserve.ops.cpu import int8 as int8_kernels
 from moeserve.ops.linear import linear, linear_into
 from moeserve.quant.int8 import as_int8
@@ -155,13 +155,17 @@ def experts_sorted(
     """Rows already sorted by expert: the first ``slot_counts[0]`` rows go to expert 0, the
     next ``slot_counts[1]`` to expert 1, and so on. Returns each row's expert output times its
     ``weight_R``, in the same order. One GEMM pair per expert that has rows. The weights may
-    be int8 (``quant/int8.py``)."""
+    be int8 (``quant/int8.py``; w8a8_int8 ones quantize the rows and the hidden per row, in
+    the AMX call or, without it, in each ``linear`` of the loop below)."""
     if x_RD.shape[0] == 0:
         return torch.empty_like(x_RD)
     experts = [e for e, n in enumerate(slot_counts) if n]
     counts = [slot_counts[e] for e in experts]
     q13, q2 = as_int8(w13_EFD), as_int8(w2_EDF)
-    if q13 is not None and q2 is not None:
+    if q13 is not None and q2 is not None and q13.act_int8:
+        if amx_int8.moe_usable(x_RD, counts, q13, q2):
+            return amx_int8.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
+    elif q13 is not None and q2 is not None:
         if int8_kernels.moe_usable(x_RD, counts, q13, q2):
             return int8_kernels.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
     elif kernels.moe_usable(x_RD, counts, w13_EFD, w2_EDF):

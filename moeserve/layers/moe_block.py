@@ -29,7 +29,7 @@ from moeserve.layers.linear import GatedMLP, Linear
 from moeserve.layers.moe import FusedExperts, Router
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
-from moeserve.ops.cpu import amx, kernels, moe_sort
+from moeserve.ops.cpu import amx, amx_int8, kernels, moe_sort
 from moeserve.ops.cpu import int8 as int8_kernels
 from moeserve.ops.linear import BoundLinear
 from moeserve.quant.int8 import as_int8
@@ -200,10 +200,10 @@ class MoEBlock(nn.Module):
 class MoEDecodeCalls:
     """The routed experts of a decode step (few rows, no EP) as kernel calls whose arguments
     are derived once: router logits, routing (``kernels.c``), the pairs sorted by expert and
-    gathered (``moe_sort.c``), the one-call MoE kernel (int8 and bf16 weights directly,
-    fp32 through ``kernels.moe_experts``), the rows added back per token. The torch path of
-    :meth:`MoEBlock.forward` (``FusedExperts``, ``moe_grouped``) is the reference and runs
-    where this does not apply; the two agree bit for bit."""
+    gathered (``moe_sort.c``), the one-call MoE kernel (int8, w8a8_int8 and bf16 weights
+    directly, fp32 through ``kernels.moe_experts``), the rows added back per token. The torch
+    path of :meth:`MoEBlock.forward` (``FusedExperts``, ``moe_grouped``) is the reference and
+    runs where this does not apply; the two agree bit for bit."""
 
     def __init__(self, block: MoEBlock) -> None:
         c, gate, experts = block.gate.config, block.gate, block.experts
@@ -223,8 +223,13 @@ class MoEDecodeCalls:
         self.sort_fn = moe_sort._library().moeserve_moe_sort
         self.combine_fn = moe_sort._library().moeserve_moe_combine
         q13, q2 = as_int8(experts.w13_EFD), as_int8(experts.w2_EDF)
-        self.int8_fn = None
-        if q13 is not None:
+        self.int8_fn = self.w8a8_fn = None
+        if q13 is not None and q13.act_int8:  # w8a8_int8 on AMX: amx_int8.c directly
+            self.w8a8_fn = amx_int8._library().moeserve_amx_i8_moe
+            self.int8_w = (q13.q.data_ptr(), q13.scale.data_ptr(), q2.q.data_ptr())
+            self.int8_w += (q2.scale.data_ptr(),)
+            self.max_rows = int8_kernels.MAX_ROWS  # decode batches; more go to experts_sorted
+        elif q13 is not None:
             self.int8_fn = int8_kernels._library().moeserve_int8_moe_small
             self.int8_w = (q13.q.data_ptr(), q13.scale.data_ptr(), q2.q.data_ptr())
             self.int8_w += (q2.scale.data_ptr(),)
@@ -261,7 +266,11 @@ class MoEDecodeCalls:
         c = gate.config
         w13, w2 = experts.w13_EFD, experts.w2_EDF
         q13, q2 = as_int8(w13), as_int8(w2)
-        if q13 is not None and q2 is not None:
+        if q13 is not None and q2 is not None and q13.act_int8:
+            weights = (q13.q, q13.scale, q2.q, q2.scale)
+            ok_weights = q2.act_int8 and amx_int8.weight_ok(q13) and amx_int8.weight_ok(q2)
+            ok_weights = ok_weights and amx_int8.available()
+        elif q13 is not None and q2 is not None:
             weights = (q13.q, q13.scale, q2.q, q2.scale)
             ok_weights = int8_kernels.available()
         elif q13 is None and q2 is None:
@@ -316,9 +325,13 @@ class MoEDecodeCalls:
         self.int8_meta = (m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr(), D, self.F)
         self.int8_meta += (self.x_sorted.data_ptr(),)
         self.int8_out = (self.weight.data_ptr(), self.h.data_ptr(), self.y_sorted.data_ptr())
+        # the AMX calls pad each expert's rows to 16: at most 15 more per expert hit
+        P = R + 15 * min(R, self.num_slots)
+        if self.w8a8_fn is not None:
+            self.w8a8_ws = amx_int8.MoEWorkspace(P, D, self.F)
+            self.w8a8_args = (*self.int8_meta, *self.int8_w, self.weight.data_ptr())
+            self.w8a8_args += (self.y_sorted.data_ptr(), *self.w8a8_ws.pointers())
         if self.amx_fn is not None:
-            # the AMX call pads each expert's rows to 16: at most 15 more per expert hit
-            P = R + 15 * min(R, self.num_slots)
             self.amx_h = torch.empty(P, 2 * self.F, dtype=torch.float32)
             self.amx_xp, self.amx_hp = amx._packed(P, D), amx._packed(P, self.F)
             self.amx_x = (*self.int8_meta, 1, *self.amx_w, self.weight.data_ptr())
@@ -344,6 +357,9 @@ class MoEDecodeCalls:
             raise RuntimeError(f"MoE decode: an expert id outside [0, {self.num_slots})")
         if self.int8_fn is not None:
             self.int8_fn(G, *self.int8_meta, *self.int8_w, *self.int8_out, self.wide)
+            y_RD = self.y_sorted
+        elif self.w8a8_fn is not None:
+            self.w8a8_fn(G, *self.w8a8_args)
             y_RD = self.y_sorted
         elif self.amx_fn is not None:  # fp32 rows in and out (the 1s), bf16 weights
             self.amx_fn(G, *self.amx_x, *self.amx_out)

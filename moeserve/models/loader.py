@@ -51,7 +51,8 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[MoECausalLM, ModelConfig, LoadReport]:
     """Build this rank's part of the model and read only its tensors (or their slices).
-    With ``quantization="int8"`` the weights are quantized as they are read (``quant/``)."""
+    With ``quantization="int8"`` (or ``"w8a8_int8"``) the weights are quantized as they are
+    read (``quant/``)."""
     config = ModelConfig.from_dir(model_dir)
     groups = groups or ParallelGroups.single()
     check_layout(config, groups.dims, moe_options or MoEOptions())

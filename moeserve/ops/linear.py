@@ -10,10 +10,12 @@ activations (``--quantization bf16``) always, with bf16 ones up to ``amx.MAX_ROW
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import amx, kernels
+from moeserve.ops.cpu import amx, amx_int8, kernels
 from moeserve.ops.cpu import int8 as int8_kernels
 from moeserve.ops.linear_int8 import linear_int8, linear_int8_into
 from moeserve.quant.int8 import as_int8
@@ -47,7 +49,8 @@ def linear_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Te
 class BoundLinear:
     """``x @ w.T`` for decode rows with the kernel arguments that depend only on ``w`` (its
     pointer, strides, shape, the ISA choice) derived once, so a call costs one ctypes call and
-    the checks on ``x``: the fp32, int8 or (bf16 weights, on AMX) bf16 few-row kernel. Rows
+    the checks on ``x``: the fp32, int8 or (bf16 weights, on AMX) bf16 few-row kernel, or
+    for w8a8_int8 weights on AMX the int8 tile kernel. Rows
     the kernel does not take (too many, other dtype or layout) go through :func:`linear`, the
     reference dispatch. ``w`` must stay where it is while bound: ``pointers`` lists each bound
     tensor with the address used, so the owner can see a moved weight (``p.data`` replaced)
@@ -60,7 +63,14 @@ class BoundLinear:
         self.max_rows = 0
         self.pointers: tuple[tuple[torch.Tensor, int], ...] = ()
         q = as_int8(w)
-        if q is not None:
+        if q is not None and q.act_int8:  # w8a8_int8: the AMX kernel, any row count
+            if w.dim() == 2 and amx_int8.weight_ok(q) and amx_int8.available():
+                self.fn = amx_int8._library().moeserve_amx_i8_gemm_nt
+                self.max_rows = sys.maxsize
+                self.w_args = (q.q.data_ptr(), q.q.stride(0), q.scale.data_ptr())
+                self.wide = 0
+                self.pointers = ((q.q, q.q.data_ptr()), (q.scale, q.scale.data_ptr()))
+        elif q is not None:
             if int8_kernels.available() and w.dim() == 2 and int8_kernels._rows_ok(q):
                 lib = int8_kernels._library()
                 self.fn = lib.moeserve_int8_gemm_nt_small
@@ -93,6 +103,6 @@ class BoundLinear:
             M, self.N, self.K, x.data_ptr(), x.stride(0), *self.w_args,
             out.data_ptr(), out.stride(0), self.wide,
         )  # fmt: skip
-        if failed:  # the AMX call allocates its packed rows (the others return nothing)
+        if failed:  # the AMX calls allocate their packed rows (the others return nothing)
             raise MemoryError(f"projection of {M} rows: out of memory for its workspace")
         return out

@@ -14,12 +14,17 @@ to the fastest path; ``ops/linear.py`` sends int8 weights here.
     anywhere else (CUDA, no kernels)   the reference, ops/cpu/int8.py: linear_int8_ref
 
 Activations of another dtype (bf16) are computed in fp32 and cast back.
+
+A w8a8_int8 weight (``act_int8``) multiplies the input rows quantized to int8 per token: on
+AMX the int8 tile kernel of ``ops/cpu/amx_int8.c`` (any rows), elsewhere the rows rounded to
+their int8 grids (``amx_int8.fake_quant``) through the paths above.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moeserve.ops.cpu import amx_int8
 from moeserve.ops.cpu import int8 as kernels
 from moeserve.quant.int8 import Int8Tensor
 
@@ -29,7 +34,7 @@ _BLOCK_BYTES = 1 << 20  # fp32 bytes of dequantized weight per block: stays in L
 def linear_int8(x: torch.Tensor, w: Int8Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(w).T (+ bias)`` for ``x [..., K]``, ``w`` of ``[N, K]``; the result has
     ``x``'s dtype."""
-    if bias is None and kernels.usable(x, w):  # decode: the common case, checked first
+    if bias is None and not w.act_int8 and kernels.usable(x, w):  # decode: checked first
         return kernels.gemm_nt(x, w)
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
@@ -52,6 +57,10 @@ def _matmul(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None) -> torch.T
     """fp32 ``x [M, K]`` times int8 ``w [N, K]``; into ``out`` (unit-stride rows) if given."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if w.act_int8:
+        if amx_int8.usable(x, w):
+            return amx_int8.gemm_nt(x, w, out=out)
+        x = amx_int8.fake_quant(x)
     if kernels.usable(x, w):
         return kernels.gemm_nt(x, w, out=out)
     M, N = x.shape[0], w.shape[0]

@@ -1,7 +1,8 @@
 """Switch a freshly built model to int8 or bf16 weights before its checkpoint is loaded.
 
-What is converted (int8: per output row, :mod:`moeserve.quant.int8`; bf16: each weight held
-in bf16, rounded to nearest as it is loaded, lossless for a bf16 checkpoint):
+What is converted (int8 and w8a8_int8: per output row, :mod:`moeserve.quant.int8`; bf16:
+each weight held in bf16, rounded to nearest as it is loaded, lossless for a bf16
+checkpoint):
 
     every Linear (attention and MLA projections, dense and shared-expert MLPs, the shared
     expert gate, MTP projections and heads), the routed experts' w13 and w2, the LM head
@@ -14,8 +15,9 @@ The fp32 parameters are replaced while still untouched ``torch.empty`` storage (
 so no full-precision copy of the model is ever held; the loaders then quantize each tensor's
 rows as they arrive (``Int8Tensor.copy_``; a bf16 parameter's ``copy_`` rounds).
 
-Activations stay fp32 under both (``EngineConfig.torch_dtype``): the norms, rope, routing and
-attention keep their fp32 kernels, and only the GEMMs read the narrow weights.
+Activations stay fp32 under all three (``EngineConfig.torch_dtype``): the norms, rope, routing
+and attention keep their fp32 kernels, and only the GEMMs read the narrow weights (under
+w8a8_int8 each GEMM also rounds its input rows to int8, per token, inside the call).
 """
 
 from __future__ import annotations
@@ -57,10 +59,13 @@ def _replace_targets(model: nn.Module, make: Callable[[nn.Parameter], nn.Module]
     return len(targets)
 
 
-def quantize_int8(model: nn.Module) -> int:
+def quantize_int8(model: nn.Module, act_int8: bool = False) -> int:
     """Replace the weights of :func:`int8_targets` by empty :class:`Int8Weight` modules of the
-    same shape and device; returns how many. Call before loading the checkpoint."""
-    return _replace_targets(model, lambda p: Int8Weight(tuple(p.shape), device=p.device))
+    same shape and device (``act_int8``: the w8a8_int8 format); returns how many. Call before
+    loading the checkpoint."""
+    return _replace_targets(
+        model, lambda p: Int8Weight(tuple(p.shape), device=p.device, act_int8=act_int8)
+    )
 
 
 def to_bf16(model: nn.Module) -> int:
@@ -75,9 +80,10 @@ def to_bf16(model: nn.Module) -> int:
 
 
 def apply_quantization(model: nn.Module, method: str | None) -> None:
-    """Prepare ``model`` for loading with ``method`` (None, "none", "int8" or "bf16")."""
+    """Prepare ``model`` for loading with ``method`` (None, "none", "int8", "w8a8_int8" or
+    "bf16")."""
     method = normalize_quantization(method)
-    if method == "int8":
-        quantize_int8(model)
+    if method in ("int8", "w8a8_int8"):
+        quantize_int8(model, act_int8=method == "w8a8_int8")
     elif method == "bf16":
         to_bf16(model)

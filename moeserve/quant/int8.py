@@ -52,10 +52,13 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass(frozen=True)
 class Int8Tensor:
     """Rows of an int8 weight: ``q [..., N, K]`` int8 and ``scale [..., N]`` fp32, views of the
-    owning :class:`Int8Weight`'s storage (writes go through)."""
+    owning :class:`Int8Weight`'s storage (writes go through). ``act_int8``: the w8a8_int8
+    format, where each GEMM with this weight quantizes its input rows to int8 per token too
+    (``ops/cpu/amx_int8.py``)."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    act_int8: bool = False
     dtype: ClassVar[torch.dtype] = torch.int8
 
     def __post_init__(self) -> None:
@@ -85,7 +88,7 @@ class Int8Tensor:
                 f"an int8 weight of shape {tuple(self.shape)} can be indexed by ints and "
                 f"slices over its leading dims only, got {index!r}"
             )
-        return Int8Tensor(self.q[idx], self.scale[idx])
+        return Int8Tensor(self.q[idx], self.scale[idx], self.act_int8)
 
     def copy_(self, w: torch.Tensor) -> Int8Tensor:
         """Quantize ``w`` (same shape, any float dtype) into these rows."""
@@ -112,12 +115,18 @@ class Int8Tensor:
 class Int8Weight(nn.Module):
     """An int8 weight held by a layer in place of its fp32 parameter: parameters ``q`` (int8,
     the weight's shape) and ``scale`` (fp32, the shape without the last dim). Indexing,
-    ``copy_`` and ``zero_`` act on :attr:`data`."""
+    ``copy_`` and ``zero_`` act on :attr:`data`. ``act_int8``: see :class:`Int8Tensor`."""
 
     dtype: ClassVar[torch.dtype] = torch.int8
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        device: torch.device | str | None = None,
+        act_int8: bool = False,
+    ) -> None:
         super().__init__()
+        self.act_int8 = act_int8
         if len(shape) < 2:
             raise ValueError(f"an int8 weight needs [..., N, K], got shape {tuple(shape)}")
         self.q = nn.Parameter(
@@ -126,14 +135,14 @@ class Int8Weight(nn.Module):
         self.scale = nn.Parameter(
             torch.zeros(shape[:-1], dtype=torch.float32, device=device), requires_grad=False
         )
-        self._data = Int8Tensor(self.q, self.scale)
+        self._data = Int8Tensor(self.q, self.scale, act_int8)
 
     @property
     def data(self) -> Int8Tensor:
         """The rows as an :class:`Int8Tensor` (made once: every projection call asks)."""
         d, p = self._data, self._parameters
         if d.q is not p["q"] or d.scale is not p["scale"]:  # parameters were replaced
-            d = self._data = Int8Tensor(p["q"], p["scale"])
+            d = self._data = Int8Tensor(p["q"], p["scale"], self.act_int8)
         return d
 
     @property
@@ -160,7 +169,7 @@ class Int8Weight(nn.Module):
         return self.data.dequantize(dtype)
 
     def extra_repr(self) -> str:
-        return f"shape={tuple(self.shape)}"
+        return f"shape={tuple(self.shape)}" + (", act_int8=True" if self.act_int8 else "")
 
 
 def as_int8(w) -> Int8Tensor | None:

@@ -93,7 +93,7 @@ class HotVocab:
         self.ids_H = torch.tensor(ids, dtype=torch.long, device=dev)
         if q is not None:
             self.weight_HD: torch.Tensor | Int8Tensor = Int8Tensor(
-                q.q[self.ids_H].contiguous(), q.scale[self.ids_H].contiguous()
+                q.q[self.ids_H].contiguous(), q.scale[self.ids_H].contiguous(), q.act_int8
             )
         else:
             self.weight_HD = head_weight.detach()[self.ids_H].contiguous()

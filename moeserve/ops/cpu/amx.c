@@ -10,10 +10,10 @@
  * need no packing or second copy and the same call serves decode (one token: memory bound)
  * and prefill (compute bound). The activations are the B operand: 16 token rows at a time,
  * packed per call into 1 KB blocks of 16 pairs x 16 rows (a 16 x 16 transpose of 32-bit
- * words; rows past the count are zero), which is cheap next to the weight stream. A job is
- * 32 weight rows (two A tiles) against every 16-row block of the tokens, two at a time (four
- * accumulator tiles); the result tiles are transposed back into rows on the way out (the
- * MoE call's hidden excepted: it stays by column).
+ * words; rows past the count are zero), which is cheap next to the weight stream. A job
+ * (amx_job.h) is 32 weight rows (two A tiles) against every 16-row block of the tokens, two
+ * at a time (four accumulator tiles); the result tiles are transposed back into rows on the
+ * way out (the MoE call's hidden excepted: it stays by column).
  *
  * Needs K % 32 == 0 and N % 16 == 0 (checked by the caller, ops/cpu/amx.py), and the process
  * must have asked the kernel for the AMX state (moeserve_amx_enable). The reference is
@@ -25,43 +25,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "common.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* 0 once this process may use the AMX tile registers (Linux asks processes to request the
- * 8 KB of extra state before the first tile instruction), -1 when the kernel refuses. */
-int moeserve_amx_enable(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
-
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+#include "amx_tiles.h"
 #include "panels.h"
 
+int moeserve_amx_enable(void) { return amx_request(); }
+
 #define BLK 512 /* bf16 per packed 16 x 32 block (1 KB) */
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Eight 16 x 64-byte tiles: 0-3 accumulators, 4-5 weight rows, 6-7 token blocks. A
- * constant in memory: GCC 12 does not count LDTILECFG as reading its operand, so a struct
- * filled on the stack just before it can lose its stores. */
-static const struct tile_config TILES = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
-/* every thread that runs tiles loads the configuration */
-static void tiles_on(void) { _tile_loadconfig(&TILES); }
 
 /* Token rows (row stride ldx; bf16, or fp32 when x_f32: rounded to bf16, nearest even)
  * packed as B blocks: block (mb, kb) at xp + (mb * KB + kb) * BLK holds word (p, m) =
@@ -143,80 +117,12 @@ static inline void store_tile(const float *t, int64_t m0, int64_t mv, int64_t n0
     }
 }
 
-/* The KB k blocks of one pair of token blocks (b1 unused unless two) against the job's one or
- * two weight tiles, into accumulators 0-3 (0: rows 0-15 x block 0, 1: x block 1, 2-3: rows
- * 16-31) */
-static inline __attribute__((always_inline)) void run_k(int nr, int two, const uint16_t *a0,
-                                                        const uint16_t *a1, int64_t sw,
-                                                        const uint16_t *b0, const uint16_t *b1,
-                                                        int64_t KB, struct prefetcher *pf) {
-    for (int64_t kb = 0; kb < KB; kb++) {
-        prefetch_step(pf);
-        _tile_loadd(4, a0 + 32 * kb, sw);
-        _tile_loadd(6, b0 + kb * BLK, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (nr == 32) {
-            _tile_loadd(5, a1 + 32 * kb, sw);
-            _tile_dpbf16ps(2, 5, 6);
-        }
-        if (two) {
-            _tile_loadd(7, b1 + kb * BLK, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            if (nr == 32) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-}
-
-/* Weight rows n0 .. n0 + nr (nr 16 or 32; w points at row n0, row stride ldw) against the M
- * packed token rows at xp: output columns n0 .. n0 + nr of every row. Meanwhile the 32 rows
- * at next (the thread's next job; 0: none) are fetched into L2: a job's first pass reads 32
- * rows 2 KB or more apart, too many streams for the hardware prefetcher (measured on the
- * prefill MoE call at 512 tokens: 1.2-1.3x). Splitting K into chunks whose weight tiles stay
- * in L1 across the token blocks was slower (0.87-0.92x at 48-2048 rows). */
-static void gemm_job(int64_t K, const uint16_t *w, int64_t ldw, int nr, const uint16_t *xp,
-                     int64_t M, int64_t n0, const struct out_rows *o, const uint16_t *next) {
-    const int64_t KB = K / 32, MB = (M + 15) / 16, sw = 2 * ldw;
-    struct prefetcher pf;
-    prefetcher_init(&pf, next, sw, 2 * K, 32, KB * ((MB + 1) / 2));
-    const uint16_t *a0 = w, *a1 = w + 16 * ldw;
-    float t[4][256] __attribute__((aligned(64)));
-    for (int64_t mb = 0; mb < MB; mb += 2) {
-        const int two = mb + 1 < MB;
-        const uint16_t *b0 = xp + mb * KB * BLK, *b1 = b0 + KB * BLK;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        if (nr == 32 && two)
-            run_k(32, 1, a0, a1, sw, b0, b1, KB, &pf);
-        else if (nr == 32)
-            run_k(32, 0, a0, a1, sw, b0, b1, KB, &pf);
-        else if (two)
-            run_k(16, 1, a0, a1, sw, b0, b1, KB, &pf);
-        else
-            run_k(16, 0, a0, a1, sw, b0, b1, KB, &pf);
-        const int64_t m0 = 16 * mb;
-        if (o->by_column) { /* no transposes: [n][m] blocks of 16 x 16 */
-            float *d = (float *)o->p + n0 * o->ld + m0;
-            const int64_t st = 4 * o->ld;
-            _tile_stored(0, d, st);
-            if (two) _tile_stored(1, d + 16, st);
-            if (nr == 32) _tile_stored(2, d + 16 * o->ld, st);
-            if (nr == 32 && two) _tile_stored(3, d + 16 * o->ld + 16, st);
-            continue;
-        }
-        _tile_stored(0, t[0], 64);
-        _tile_stored(1, t[1], 64);
-        _tile_stored(2, t[2], 64);
-        _tile_stored(3, t[3], 64);
-        store_tile(t[0], m0, M - m0, n0, o);
-        if (two) store_tile(t[1], m0 + 16, M - m0 - 16, n0, o);
-        if (nr == 32) {
-            store_tile(t[2], m0, M - m0, n0 + 16, o);
-            if (two) store_tile(t[3], m0 + 16, M - m0 - 16, n0 + 16, o);
-        }
-    }
-}
+#define AJ_T uint16_t
+#define AJ_KT 32
+#define AJ_DP _tile_dpbf16ps
+#define AJ_OUT struct out_rows
+#define AJ_STORE store_tile
+#include "amx_job.h"
 
 /* out[h] = x[h] . w[h]^T for each of H heads (H = 1: one projection): x[h] is M rows of K
  * (row stride ldx, head stride x_sh; bf16, or fp32 when x_f32, rounded to bf16 as packed),
@@ -296,12 +202,8 @@ void moeserve_amx_moe(int64_t G, const int64_t *expert, const int64_t *start,
                       const int64_t *count, int64_t D, int64_t F, const void *x, int x_f32,
                       const uint16_t *w13, const uint16_t *w2, const float *weight, void *y,
                       int y_f32, uint16_t *xp, float *h, uint16_t *hp) {
-    int64_t blocks = 0; /* packed 16-row blocks before each group */
-    int64_t first_block[G > 0 ? G : 1];
-    for (int64_t g = 0; g < G; g++) {
-        first_block[g] = blocks;
-        blocks += (count[g] + 15) / 16;
-    }
+    int64_t first_block[G > 0 ? G : 1]; /* packed 16-row blocks before each group */
+    group_blocks(G, count, first_block);
     const int64_t J13 = 2 * F / 32, J2 = D / 32;
 #pragma omp parallel
     {
@@ -312,8 +214,8 @@ void moeserve_amx_moe(int64_t G, const int64_t *expert, const int64_t *start,
                       xp + first_block[g] * 16 * D);
         tiles_on();
         {
-            const int64_t lo = balanced_first_job(G, count, J13, 16, t, nt);
-            const int64_t hi = balanced_first_job(G, count, J13, 16, t + 1, nt);
+            int64_t lo, hi;
+            job_share(G, count, J13, t, nt, &lo, &hi);
             for (int64_t i = lo; i < hi; i++) {
                 const int64_t g = i / J13, j = i % J13, pad = (count[g] + 15) / 16 * 16;
                 const struct out_rows o = {h + first_block[g] * 16 * 2 * F, pad, 0, 0, 1};
@@ -332,8 +234,8 @@ void moeserve_amx_moe(int64_t G, const int64_t *expert, const int64_t *start,
             pack_f32_by_column(count[g], F, hg, pad, hp + first_block[g] * 16 * F);
         }
         {
-            const int64_t lo = balanced_first_job(G, count, J2, 16, t, nt);
-            const int64_t hi = balanced_first_job(G, count, J2, 16, t + 1, nt);
+            int64_t lo, hi;
+            job_share(G, count, J2, t, nt, &lo, &hi);
             for (int64_t i = lo; i < hi; i++) {
                 const int64_t g = i / J2, j = i % J2;
                 const struct out_rows o = {(char *)y + start[g] * D * (y_f32 ? 4 : 2), D, !y_f32,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -48,17 +49,21 @@ def moe_int8_ref(
     w13: Int8Tensor,
     w2: Int8Tensor,
     weight_R: torch.Tensor,
+    gemm: Callable[[torch.Tensor, Int8Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`moe_experts`: rows sorted by expert (``counts[i]`` rows for
-    ``experts[i]``) through their expert's gated FFN with :func:`linear_int8_ref`, each scaled
-    by its routing weight."""
+    ``experts[i]``) through their expert's gated FFN with ``gemm(x, w)`` (by default
+    :func:`linear_int8_ref`; ``amx_int8.moe_ref`` passes its own), each scaled by its routing
+    weight."""
+    if gemm is None:
+        gemm = lambda x, w: linear_int8_ref(x, w.q, w.scale)  # noqa: E731
     F2 = w13.shape[1]
     y_RD = torch.empty(x_RD.shape, dtype=torch.float32, device=x_RD.device)
     start = 0
     for e, n in zip(experts, counts):
         rows = slice(start, start + n)
-        gate, up = linear_int8_ref(x_RD[rows], w13.q[e], w13.scale[e]).split(F2 // 2, dim=-1)
-        y_RD[rows] = linear_int8_ref(F.silu(gate) * up, w2.q[e], w2.scale[e])
+        gate, up = gemm(x_RD[rows], w13[e]).split(F2 // 2, dim=-1)
+        y_RD[rows] = gemm(F.silu(gate) * up, w2[e])
         start += n
     return y_RD.mul_(weight_R.float().unsqueeze(1))
 

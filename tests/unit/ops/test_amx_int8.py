@@ -1,0 +1,140 @@
+"""The w8a8 int8 AMX kernels (``ops/cpu/amx_int8.c``) against their references.
+
+The activation quantization is the same fp32 arithmetic in both, and int32 sums of int8
+products are exact, so the projection matches :func:`amx_int8.gemm_ref` up to the order of
+two fp32 multiplications. In the MoE call the hidden's activation (a vector e^x) can move a
+value across a rounding boundary of its int8 grid: a few elements differ by one grid step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.ops.cpu import amx_int8
+from moeserve.quant.int8 import Int8Tensor, quantize_rows
+
+needs_amx = pytest.mark.skipif(not amx_int8.available(), reason="no AMX-INT8 here")
+
+
+def int8_weight(*shape: int, seed: int) -> Int8Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return Int8Tensor(*quantize_rows(torch.randn(*shape, generator=g) / shape[-1] ** 0.5))
+
+
+def test_quantize_rows_ref_grid():
+    x = torch.tensor([[0.5, -2.0, 1.0], [0.0, 0.0, 0.0], [3.0, 3.0, -3.0]])
+    xq, s = amx_int8.quantize_rows_ref(x)
+    assert xq.dtype == torch.int8
+    assert xq.tolist() == [[32, -127, 64], [0, 0, 0], [127, 127, -127]]  # 31.75 -> 32
+    assert torch.equal(s, torch.tensor([2.0, 0.0, 3.0]) / 127)
+    back = amx_int8.fake_quant(x)
+    assert (back - x).abs().max() <= (s.max() / 2) + 1e-7  # within half a grid step
+
+
+def test_gemm_ref_is_the_quantized_product():
+    """The reference multiplies the rows rounded to their grids by the dequantized weight."""
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(1))
+    w = int8_weight(48, 128, seed=2)
+    want = amx_int8.fake_quant(x) @ w.dequantize().t()
+    torch.testing.assert_close(amx_int8.gemm_ref(x, w), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "M,N,K",
+    [
+        (1, 32, 64),  # one token, one job
+        (5, 48, 64),  # a 16-row job at the end
+        (16, 64, 128),  # exactly one token block
+        (17, 96, 192),  # one token into the second block
+        (37, 80, 1024),  # odd blocks, a 16-row tail
+        (300, 64, 128),  # many blocks, pairs and a single
+    ],
+)
+def test_gemm_matches_reference(M, N, K):
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g)
+    x[M // 2] = 0.0  # a zero row: scale 0, output 0
+    w = int8_weight(N, K, seed=M)
+    out = torch.full((M, N), float("nan"))
+    amx_int8.gemm_nt(x, w, out=out)
+    torch.testing.assert_close(out, amx_int8.gemm_ref(x, w), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[M // 2], torch.zeros(N))
+
+
+@needs_amx
+def test_gemm_strided_rows_and_output():
+    """Rows of a wider tensor, a weight slice of a wider one, an output slice: strides are
+    honoured and nothing outside is written."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 300, generator=g)[:, 8:136]  # [9, 128], row stride 300
+    w_full = int8_weight(64, 192, seed=4)
+    w = Int8Tensor(w_full.q[:, 64:], w_full.scale)  # [64, 128], row stride 192
+    out_full = torch.zeros(9, 100)
+    amx_int8.gemm_nt(x, w, out=out_full[:, 10:74])
+    torch.testing.assert_close(out_full[:, 10:74], amx_int8.gemm_ref(x, w), rtol=1e-6, atol=1e-6)
+    assert not out_full[:, :10].any() and not out_full[:, 74:].any()
+
+
+def test_usable_declines_what_the_tiles_do_not_take():
+    x = torch.randn(4, 128)
+    assert not amx_int8.usable(x, int8_weight(32, 96, seed=0))  # K % 64
+    assert not amx_int8.usable(x[:, :120], int8_weight(40, 120, seed=0))  # N % 16, K
+    assert not amx_int8.usable(x.bfloat16(), int8_weight(32, 128, seed=0))  # fp32 rows only
+    assert not amx_int8.usable(x[:0], int8_weight(32, 128, seed=0))  # no rows
+    assert amx_int8.usable(x, int8_weight(32, 128, seed=0)) == amx_int8.available()
+
+
+@needs_amx
+@pytest.mark.parametrize("counts", [[1], [15, 16, 17], [40, 1, 33, 2]])
+def test_moe_matches_reference(counts):
+    E, D, F_ = 6, 128, 64
+    g = torch.Generator().manual_seed(sum(counts))
+    w13, w2 = int8_weight(E, 2 * F_, D, seed=1), int8_weight(E, D, F_, seed=2)
+    experts = [5, 0, 3, 2][: len(counts)]
+    R = sum(counts)
+    x = torch.randn(R, D, generator=g)
+    weight = torch.rand(R, generator=g)
+    got = amx_int8.moe_experts(x, experts, counts, w13, w2, weight)
+    want = amx_int8.moe_ref(x, experts, counts, w13, w2, weight)
+    # one grid step of the hidden moves an output by at most its scale times max |w2|
+    h_scale = max_hidden_scale(x, experts, counts, w13)
+    step = h_scale * w2.dequantize().abs().max() * weight.max()
+    diff = (got - want).abs()
+    assert diff.max() <= 2 * step
+    assert (diff > 1e-5 * want.abs().max()).float().mean() < 0.05  # almost all agree
+
+
+def max_hidden_scale(x, experts, counts, w13) -> float:
+    F_ = w13.shape[1] // 2
+    best, start = 0.0, 0
+    for e, n in zip(experts, counts):
+        gate, up = amx_int8.gemm_ref(x[start : start + n], w13[e]).split(F_, dim=-1)
+        best = max(best, (F.silu(gate) * up).abs().max().item() / amx_int8.QMAX)
+        start += n
+    return best
+
+
+@needs_amx
+def test_moe_workspace_reuse_gives_the_same_rows():
+    """The decode path calls the kernel with buffers kept across steps (MoEWorkspace): a
+    second call with other rows of the same size overwrites every value it reads."""
+    E, D, F_ = 4, 64, 64
+    w13, w2 = int8_weight(E, 2 * F_, D, seed=5), int8_weight(E, D, F_, seed=6)
+    experts, counts = [1, 3], [3, 2]
+    meta = torch.tensor([experts, [0, 3], counts], dtype=torch.int64)
+    ws = amx_int8.MoEWorkspace(32, D, F_)
+    lib = amx_int8._library()
+    for seed in (7, 8):
+        g = torch.Generator().manual_seed(seed)
+        x, weight = torch.randn(5, D, generator=g), torch.rand(5, generator=g)
+        y = torch.empty(5, D)
+        lib.moeserve_amx_i8_moe(
+            2, meta[0].data_ptr(), meta[1].data_ptr(), meta[2].data_ptr(), D, F_,
+            x.data_ptr(), w13.q.data_ptr(), w13.scale.data_ptr(), w2.q.data_ptr(),
+            w2.scale.data_ptr(), weight.data_ptr(), y.data_ptr(), *ws.pointers(),
+        )  # fmt: skip
+        want = amx_int8.moe_experts(x, experts, counts, w13, w2, weight)
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
