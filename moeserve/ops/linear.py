@@ -49,12 +49,11 @@ def linear_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Te
 class BoundLinear:
     """``x @ w.T`` for decode rows with the kernel arguments that depend only on ``w`` (its
     pointer, strides, shape, the ISA choice) derived once, so a call costs one ctypes call and
-    the checks on ``x``: the fp32, int8 or (bf16 weights, on AMX) bf16 few-row kernel, or
-    for w8a8_int8 weights on AMX the int8 tile kernel. Rows
-    the kernel does not take (too many, other dtype or layout) go through :func:`linear`, the
-    reference dispatch. ``w`` must stay where it is while bound: ``pointers`` lists each bound
-    tensor with the address used, so the owner can see a moved weight (``p.data`` replaced)
-    and bind again."""
+    the checks on ``x``: the fp32, int8 or (bf16 weights, on AMX) bf16 few-row kernel, or for
+    w8a8_int8 weights on AMX the int8 tile kernel. Rows the kernel does not take (too many,
+    other dtype or layout) go through :func:`linear`, the reference dispatch. ``w`` must stay
+    where it is while bound: ``pointers`` lists each bound tensor with the address used, so
+    the owner can see a moved weight (``p.data`` replaced) and bind again."""
 
     def __init__(self, w: torch.Tensor) -> None:
         self.w = w
