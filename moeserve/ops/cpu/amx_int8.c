@@ -42,13 +42,23 @@ int moeserve_amx_i8_enable(void) { return amx_request(); }
 
 #define QBLK 1024 /* bytes per packed block: 16 quads of k x 16 token rows */
 
-/* 127 / max|row| (0 for a zero row); the row's scale max|row| / 127 into *scale */
+/* 127 / max|row| (0 for a zero row); the row's scale max|row| / 127 into *scale. A row with
+ * a nan gets scale nan, so its outputs are nan (max alone would drop it). */
 static inline float row_inv(const float *row, int64_t K, float *scale) {
     __m512 m = _mm512_setzero_ps();
+    __mmask16 nan = 0;
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+    for (; k + 16 <= K; k += 16) {
+        const __m512 v = _mm512_loadu_ps(row + k);
+        m = _mm512_max_ps(m, _mm512_abs_ps(v));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
     float amax = _mm512_reduce_max_ps(m);
-    for (; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+    for (; k < K; k++) {
+        amax = fmaxf(amax, fabsf(row[k]));
+        nan |= row[k] != row[k];
+    }
+    if (nan) amax = NAN;
     *scale = amax / 127.0f;
     return amax > 0.0f ? 127.0f / amax : 0.0f;
 }
@@ -196,6 +206,7 @@ static void activate_pack(int64_t F, int32_t *h, int64_t ld, const float *ws, co
     float *a = (float *)h; /* the activation overwrites the gate columns */
     const __m512 xsv = _mm512_loadu_ps(xs);
     __m512 amax = _mm512_setzero_ps();
+    __mmask16 nan = 0;
     for (int64_t n = 0; n < F; n++) {
         const __m512 g = _mm512_mul_ps(
             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(h + n * ld)),
@@ -208,7 +219,9 @@ static void activate_pack(int64_t F, int32_t *h, int64_t ld, const float *ws, co
         const __m512 v = silu_mul16(g, u);
         _mm512_storeu_ps(a + n * ld, v);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     }
+    amax = _mm512_mask_mov_ps(amax, nan, _mm512_set1_ps(NAN)); /* as row_inv: nan rows */
     const __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
     const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), amax);
     _mm512_storeu_ps(hs, _mm512_div_ps(amax, _mm512_set1_ps(127.0f)));

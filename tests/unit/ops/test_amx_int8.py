@@ -138,3 +138,19 @@ def test_moe_workspace_reuse_gives_the_same_rows():
         )  # fmt: skip
         want = amx_int8.moe_experts(x, experts, counts, w13, w2, weight)
         torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
+@needs_amx
+def test_a_nan_row_stays_nan():
+    """A row with a nan has no int8 grid: its outputs are nan (as the reference's), the other
+    rows are untouched."""
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
+    x[1, 70] = float("nan")
+    w = int8_weight(32, 128, seed=10)
+    out = amx_int8.gemm_nt(x, w)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    torch.testing.assert_close(out[[0, 2]], amx_int8.gemm_ref(x[[0, 2]], w), rtol=1e-6, atol=1e-6)
+    assert amx_int8.gemm_ref(x, w)[1].isnan().all()
+    w13, w2 = int8_weight(2, 128, 128, seed=11), int8_weight(2, 128, 64, seed=12)
+    y = amx_int8.moe_experts(x, [0, 1], [2, 1], w13, w2, torch.ones(3))
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
