@@ -175,7 +175,7 @@ int moeserve_amx_i8_gemm_nt(int64_t M, int64_t N, int64_t K, const float *x, int
             const int nr = N - 32 * j >= 32 ? 32 : 16;
             const int next = j + 1 < hi && N - 32 * (j + 1) >= 32;
             gemm_job(K, q + 32 * j * ldq, ldq, nr, xp, M, 32 * j, &o,
-                       next ? q + 32 * (j + 1) * ldq : 0);
+                     next ? q + 32 * (j + 1) * ldq : 0);
         }
         _tile_release();
     }
@@ -272,8 +272,8 @@ void moeserve_amx_i8_moe(int64_t G, const int64_t *expert, const int64_t *start,
                 const struct out_q o = {h + first_block[g] * 16 * 2 * F, pad, 0, 0, 0, 1};
                 const int64_t gn = (i + 1) / J13, jn = (i + 1) % J13;
                 gemm_job(D, q13 + (expert[g] * 2 * F + 32 * j) * D, D, 32,
-                           xp + first_block[g] * 16 * D, count[g], 32 * j, &o,
-                           i + 1 < hi ? q13 + (expert[gn] * 2 * F + 32 * jn) * D : 0);
+                         xp + first_block[g] * 16 * D, count[g], 32 * j, &o,
+                         i + 1 < hi ? q13 + (expert[gn] * 2 * F + 32 * jn) * D : 0);
             }
         }
 #pragma omp barrier
@@ -293,8 +293,8 @@ void moeserve_amx_i8_moe(int64_t G, const int64_t *expert, const int64_t *start,
                                         hs + 16 * first_block[g], weight + start[g], 0};
                 const int64_t gn = (i + 1) / J2, jn = (i + 1) % J2;
                 gemm_job(F, q2 + (expert[g] * D + 32 * j) * F, F, 32,
-                           hp + first_block[g] * 16 * F, count[g], 32 * j, &o,
-                           i + 1 < hi ? q2 + (expert[gn] * D + 32 * jn) * F : 0);
+                         hp + first_block[g] * 16 * F, count[g], 32 * j, &o,
+                         i + 1 < hi ? q2 + (expert[gn] * D + 32 * jn) * F : 0);
             }
         }
         _tile_release();
