@@ -14,3 +14,15 @@ def copy_demo_tokenizer(dst_dir: str | Path) -> Path:
     from moeserve.demo import write_demo_tokenizer
 
     return write_demo_tokenizer(dst_dir)
+
+
+def max_logprob_gap(got, want) -> float:
+    """The largest |difference| of the prompt tokens' log-probabilities between two lists of
+    outputs of the same prompts (``prompt_logprobs=0``; the first position has none)."""
+    gap = 0.0
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            (tx, lx), (ty, ly) = next(iter(x.items())), next(iter(y.items()))
+            assert tx == ty
+            gap = max(gap, abs(lx.logprob - ly.logprob))
+    return gap

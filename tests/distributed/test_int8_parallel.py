@@ -9,6 +9,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
+from tests.helpers import max_logprob_gap
 from tests.int8_oracle import write_int8_oracle
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
@@ -42,16 +43,6 @@ def test_int8_layout_matches_its_fp32_oracle(checkpoint, tmp_path, layout):
             assert tx == ty and abs(lx.logprob - ly.logprob) < 1e-4
 
 
-def _gap(got, want) -> float:
-    gap = 0.0
-    for a, b in zip(got, want, strict=True):
-        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            (tx, lx), (ty, ly) = next(iter(x.items())), next(iter(y.items()))
-            assert tx == ty
-            gap = max(gap, abs(lx.logprob - ly.logprob))
-    return gap
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_w8a8_layout_runs_and_stays_near(checkpoint, tmp_path, layout):
     """w8a8_int8 under each layout. Expert parallelism moves rows, not their values: the
@@ -70,8 +61,8 @@ def test_w8a8_layout_runs_and_stays_near(checkpoint, tmp_path, layout):
         llm.shutdown()
     tp = LAYOUTS[layout].get("tensor_parallel_size", 1)
     if tp == 1:
-        assert _gap(got, single) < 0.05
+        assert max_logprob_gap(got, single) < 0.05
     else:
         oracle = write_int8_oracle(checkpoint, tmp_path / "oracle", tp=tp)
         want = LLM(str(oracle), max_num_seqs=2, **ENGINE).generate(PROMPTS, PARAMS)
-        assert _gap(got, want) < 0.3
+        assert max_logprob_gap(got, want) < 0.3

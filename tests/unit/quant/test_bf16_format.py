@@ -15,6 +15,7 @@ from moeserve.config import EngineConfig
 from moeserve.models.loader import load_model
 from moeserve.ops.cpu import amx
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
+from tests.helpers import max_logprob_gap
 from tests.int8_oracle import write_oracle
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
@@ -48,16 +49,6 @@ def write_bf16_oracle(src: Path, dst: Path) -> Path:
 
 def _generate(path: Path, **kw):
     return LLM(model=str(path), **{**ENGINE, **kw}).generate(PROMPTS, PARAMS)
-
-
-def max_logprob_gap(got, want) -> float:
-    gap = 0.0
-    for a, b in zip(got, want, strict=True):
-        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            (tx, lx), (ty, ly) = next(iter(x.items())), next(iter(y.items()))
-            assert tx == ty
-            gap = max(gap, abs(lx.logprob - ly.logprob))
-    return gap
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "qwen3_moe"])

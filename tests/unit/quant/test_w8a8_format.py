@@ -28,8 +28,8 @@ from moeserve.ops.cpu import amx, amx_int8
 from moeserve.ops.linear import BoundLinear, linear, linear_into
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, quantize_rows
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
+from tests.helpers import max_logprob_gap
 from tests.int8_oracle import write_int8_oracle
-from tests.unit.quant.test_bf16_format import max_logprob_gap
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
 ENGINE = dict(dtype="float32", max_model_len=160, progress=False)
