@@ -224,18 +224,14 @@ class MoEDecodeCalls:
         self.combine_fn = moe_sort._library().moeserve_moe_combine
         q13, q2 = as_int8(experts.w13_EFD), as_int8(experts.w2_EDF)
         self.int8_fn = self.w8a8_fn = None
+        self.max_rows = kernels.MAX_ROWS
+        if q13 is not None:
+            self.int8_w = tuple(t.data_ptr() for t in (q13.q, q13.scale, q2.q, q2.scale))
+            self.max_rows = int8_kernels.MAX_ROWS  # decode batches; more go to experts_sorted
         if q13 is not None and q13.act_int8:  # w8a8_int8 on AMX: amx_int8.c directly
             self.w8a8_fn = amx_int8._library().moeserve_amx_i8_moe
-            self.int8_w = (q13.q.data_ptr(), q13.scale.data_ptr(), q2.q.data_ptr())
-            self.int8_w += (q2.scale.data_ptr(),)
-            self.max_rows = int8_kernels.MAX_ROWS  # decode batches; more go to experts_sorted
         elif q13 is not None:
             self.int8_fn = int8_kernels._library().moeserve_int8_moe_small
-            self.int8_w = (q13.q.data_ptr(), q13.scale.data_ptr(), q2.q.data_ptr())
-            self.int8_w += (q2.scale.data_ptr(),)
-            self.max_rows = int8_kernels.MAX_ROWS
-        else:
-            self.max_rows = kernels.MAX_ROWS
         self.amx_fn = None  # bf16 weights (--quantization bf16, on AMX): amx.c directly
         bf16 = (experts.w13_EFD, experts.w2_EDF) if q13 is None else ()
         if bf16 and bf16[0].dtype == torch.bfloat16:

@@ -34,16 +34,32 @@ MAX_ROWS = 512
 K_ALIGN, N_ALIGN = 32, 16  # a tile row holds 32 bf16 of k; a tile 16 weight rows
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("MOESERVE_CPU_AMX", "1") == "0" or not _FLAGS <= cpu_flags():
+def load_amx_library(source: Path, flags: set[str], enable: str) -> ctypes.CDLL | None:
+    """``source`` built and loaded with this process granted the AMX tile state (``enable``:
+    the library's call of amx_tiles.h's request); None with ``MOESERVE_CPU_AMX=0``, on a CPU
+    without ``flags``, when the build fails or when Linux refuses the state."""
+    if os.environ.get("MOESERVE_CPU_AMX", "1") == "0" or not flags <= cpu_flags():
         return None
-    lib = build.load(_SOURCE)
+    lib = build.load(source)
     if lib is None:
         return None
-    lib.moeserve_amx_enable.restype = ctypes.c_int
-    lib.moeserve_amx_enable.argtypes = []
-    if lib.moeserve_amx_enable() != 0:
+    fn = getattr(lib, enable)
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return lib if fn() == 0 else None
+
+
+def aligned_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` uninitialised elements of ``dtype`` starting on a 64-byte boundary (the packed
+    blocks the tiles load)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    buf = torch.empty(n + 64 // size, dtype=dtype)
+    return buf[(-buf.data_ptr() % 64) // size :][:n]
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    lib = load_amx_library(_SOURCE, _FLAGS, "moeserve_amx_enable")
+    if lib is None:
         return None
     build.declare(
         lib,
@@ -73,9 +89,7 @@ def available() -> bool:
 
 def _packed(rows: int, K: int) -> torch.Tensor:
     """A workspace for ``rows`` token rows packed in 16-row blocks (64-byte aligned)."""
-    buf = torch.empty(-(-rows // 16) * 16 * K + 32, dtype=torch.bfloat16)
-    skip = (-buf.data_ptr() % 64) // 2
-    return buf[skip:]
+    return aligned_empty(-(-rows // 16) * 16 * K, torch.bfloat16)
 
 
 def weight_ok(w: torch.Tensor) -> bool:

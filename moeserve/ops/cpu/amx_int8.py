@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from moeserve.config import cpu_flags
 from moeserve.ops.cpu import build
+from moeserve.ops.cpu.amx import aligned_empty, load_amx_library
 from moeserve.ops.cpu.build import I64, INT, PTR
 from moeserve.ops.cpu.int8 import moe_int8_ref
 from moeserve.quant.int8 import Int8Tensor
@@ -74,14 +73,8 @@ def moe_ref(
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("MOESERVE_CPU_AMX", "1") == "0" or not _FLAGS <= cpu_flags():
-        return None
-    lib = build.load(_SOURCE)
+    lib = load_amx_library(_SOURCE, _FLAGS, "moeserve_amx_i8_enable")
     if lib is None:
-        return None
-    lib.moeserve_amx_i8_enable.restype = ctypes.c_int
-    lib.moeserve_amx_i8_enable.argtypes = []
-    if lib.moeserve_amx_i8_enable() != 0:
         return None
     # the argument list of int8.c's few-row GEMM
     build.declare(
@@ -167,7 +160,10 @@ class MoEWorkspace:
 
     def __init__(self, padded: int, D: int, F_: int) -> None:
         self.padded = padded
-        self.xp, self.hp = _aligned_int8(padded * D), _aligned_int8(padded * F_)
+        self.xp, self.hp = (
+            aligned_empty(padded * D, torch.int8),
+            aligned_empty(padded * F_, torch.int8),
+        )
         self.xs = torch.empty(padded, dtype=torch.float32)
         self.hs = torch.empty(padded, dtype=torch.float32)
         self.h = torch.empty(padded, 2 * F_, dtype=torch.int32)
@@ -175,11 +171,6 @@ class MoEWorkspace:
     def pointers(self) -> tuple[int, ...]:
         """In the order of ``moeserve_amx_i8_moe``'s last five arguments."""
         return tuple(t.data_ptr() for t in (self.xp, self.xs, self.h, self.hp, self.hs))
-
-
-def _aligned_int8(n: int) -> torch.Tensor:
-    buf = torch.empty(n + 64, dtype=torch.int8)
-    return buf[-buf.data_ptr() % 64 :][:n]
 
 
 def moe_experts(
