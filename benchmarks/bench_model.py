@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from moeserve.config import default_cache_dir
 from moeserve.demo import GENERATION_CONFIG, TOKENIZER_CONFIG, TOKENIZER_PATH
 from moeserve.models.synthetic import write_random_deepseek
+from moeserve.platform import default_cache_dir
 
 BENCH_CONFIG = dict(
     vocab_size=32000,

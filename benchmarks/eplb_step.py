@@ -37,9 +37,10 @@ sys.path.insert(0, str(ROOT))
 from moeserve.distributed.ep import ExpertPlacement, ep_moe_forward, make_dispatcher  # noqa: E402
 from moeserve.distributed.ep.migrate import move_experts  # noqa: E402
 from moeserve.eplb import imbalance, rank_load, rebalance_experts  # noqa: E402
-from moeserve.layers.moe import experts_sorted, route_grouped_sigmoid  # noqa: E402
 from moeserve.ops.cpu import kernels  # noqa: E402
 from moeserve.ops.linear import linear  # noqa: E402
+from moeserve.ops.moe import experts_sorted  # noqa: E402
+from moeserve.ops.routing import route_grouped_sigmoid  # noqa: E402
 from tests.distributed.mp import run_ranks  # noqa: E402
 
 D, E, K, FFN, N_GROUP, TOPK_GROUP, SCALING = 1024, 64, 6, 512, 8, 4, 2.5

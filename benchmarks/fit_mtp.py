@@ -51,9 +51,9 @@ from bench_model import (  # noqa: E402
 )
 
 from moeserve import LLM, SamplingParams  # noqa: E402
-from moeserve.config import default_cache_dir  # noqa: E402
 from moeserve.layers.attention_meta import AttentionMetadata  # noqa: E402
-from moeserve.quant.int8 import dense  # noqa: E402
+from moeserve.ops import formats  # noqa: E402
+from moeserve.platform import default_cache_dir  # noqa: E402
 
 
 def fit_prompts(groups: list[tuple[int, int]]) -> list[list[int]]:
@@ -422,7 +422,8 @@ def main() -> None:
     data = hidden_and_targets(llm, train_seqs)
     test = hidden_and_targets(llm, held_out)
     embed = llm.engine.model.embed_tokens.weight.detach().float().clone()
-    head = dense(llm.engine.model.lm_head.weight).detach().float().clone()
+    w = llm.engine.model.lm_head.weight
+    head = formats.of(w).dense(w, torch.float32).detach().float().clone()
     del llm
     torch.manual_seed(args.seed)
     mtp = MTP(hf_config(), embed, head)

@@ -3,8 +3,8 @@
 GB/s counts the weight bytes read per call (fp32: 4 per weight, int8: 1 plus the row scales);
 the time ratio is what decode gains. Each call reads another copy of the weight, from a set
 of copies larger than the L3 cache, so the weight streams from memory as in a decode step.
-For many rows (prefill) it compares fp32 ``F.linear`` with the int8 path
-``ops/linear_int8.py`` takes (with AVX-512 the packed panels of ``ops/cpu/moe_packed.h``),
+For many rows (prefill) it compares fp32 ``F.linear`` with the path the int8 format
+(``ops/formats/int8.py``) takes (with AVX-512 the packed panels of ``ops/cpu/moe_packed.h``),
 its AVX2 path (blocks of rows dequantized for MKL) and dequantizing the whole weight first.
 
     python benchmarks/int8_gemm.py [--threads 2] [--rows 1 4 32] [--prefill-rows 512]
@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.ops.cpu import int8, kernels
-from moeserve.ops.linear_int8 import _blocked, linear_int8
+from moeserve.ops.formats.int8 import _blocked
+from moeserve.ops.linear import linear as linear_int8
 from moeserve.quant.int8 import Int8Tensor, quantize_rows
 
 SHAPES = [(1024, 512), (1024, 1024), (6144, 384), (32000, 1024)]

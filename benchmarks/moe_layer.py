@@ -11,7 +11,7 @@ dispatcher; EP 1 the local one) and several tokens per rank it reports:
   dispatch) and two-batch overlap, and what each overlap saves against off.
 
 Each iteration starts after a barrier; its time is the slowest rank's; the table shows the
-median of N. Experts run ``layers.moe.experts_sorted`` (the CPU kernel up to 64 rows a slot).
+median of N. Experts run ``ops.moe.experts_sorted`` (the CPU kernel up to 64 rows a slot).
 
     python benchmarks/moe_layer.py [--ep 1 2 4] [--tokens 1 8 32 256] [--iters 20]
                                    [--threads N] [--out bench_out/moe_layer.json]
@@ -35,9 +35,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from moeserve.distributed.ep import ExpertPlacement, ep_moe_forward, make_dispatcher  # noqa: E402
-from moeserve.layers.moe import experts_sorted, route_grouped_sigmoid  # noqa: E402
 from moeserve.ops.cpu import kernels  # noqa: E402
 from moeserve.ops.linear import linear  # noqa: E402
+from moeserve.ops.moe import experts_sorted  # noqa: E402
+from moeserve.ops.routing import route_grouped_sigmoid  # noqa: E402
 from tests.distributed.mp import run_ranks  # noqa: E402
 
 D, E, K, FFN, N_GROUP, TOPK_GROUP, SCALING = 1024, 64, 6, 512, 8, 4, 2.5

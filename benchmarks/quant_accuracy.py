@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import bench_model_path  # noqa: E402
 
 from moeserve import LLM, SamplingParams  # noqa: E402
-from moeserve.quant.apply import int8_targets  # noqa: E402
+from moeserve.models.weight_format import format_targets  # noqa: E402
 from moeserve.quant.int8 import quantize_rows  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def fake_quantize(llm: LLM, fmt: str = "int8") -> None:
     """Replace every weight the format converts by what it holds, in fp32, in place: int8's
     ``q * scale``, or the weight rounded to bf16."""
     model = llm.engine.model
-    for module, name in list(int8_targets(model)):
+    for module, name in list(format_targets(model)):
         p = getattr(module, name)
         if fmt == "int8":
             q, scale = quantize_rows(p.data)

@@ -14,15 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
-# bytes per weight element read by decode, per weight format. int8 keeps an fp32 scale per
-# output row, the router, norms and the absorbed MLA weights (derived from kv_b_proj) in fp32.
+from moeserve.ops import formats
+
+# bytes read by decode per weight element, per output row (int8's fp32 scale) and per element
+# of the absorbed MLA weights (derived from kv_b_proj), as each weight format states them
+# (ops/formats); the router and norms stay fp32. bf16 also stands for the fp32 format held in
+# bf16 (GPUs).
 FORMATS = {
-    "fp32": dict(linear=4.0, scale=0.0, kv_b=4.0),
-    "int8": dict(linear=1.0, scale=4.0, kv_b=4.0),
-    # int8 weights read by AMX's int8 products; the absorbed MLA weights are bf16 there
-    "w8a8_int8": dict(linear=1.0, scale=4.0, kv_b=2.0),
-    # bf16 weights: --quantization bf16 (fp32 activations), or the fp32 format in bf16 (GPUs)
-    "bf16": dict(linear=2.0, scale=0.0, kv_b=2.0),
+    name: dict(
+        linear=(f := formats.get(name)).bytes_per_weight,
+        scale=f.scale_bytes_per_row,
+        kv_b=f.absorbed_bytes,
+    )
+    for name in ("fp32", "int8", "w8a8_int8", "bf16")
 }
 
 

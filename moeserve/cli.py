@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from moeserve.quant import QUANTIZATIONS
+from moeserve.ops.formats import QUANTIZATIONS
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

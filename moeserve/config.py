@@ -1,65 +1,70 @@
-"""Engine configuration: one frozen dataclass, validated once; derived values are properties."""
+"""Engine configuration: frozen dataclasses, validated once; derived values are properties.
+
+The ground floor: this module imports nothing of moeserve but the platform facts and the
+weight-format registry's names, so every layer may read its options from here.
+"""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
-from moeserve.quant import FP32_ACTIVATIONS, normalize_quantization
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+from moeserve.distributed.parallel_dims import ParallelDims
+from moeserve.ops.formats import normalize_quantization
+from moeserve.platform import resolve_device, resolve_dtype
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (Linux); empty when unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+@dataclass(frozen=True)
+class MoEOptions:
+    """How an MoE layer runs under expert parallelism (``layers/moe_block.py``)."""
+
+    overlap: bool = True  # run the shared experts while the dispatch is in flight
+    two_batch: bool = False  # split each batch into two micro-batches around the all-to-alls
+    num_redundant_experts: int = 0
+    num_nodes: int = 1  # hosts the world spans (replicas on a token's own node come first)
+
+    def __post_init__(self) -> None:
+        if self.num_redundant_experts < 0:
+            raise ValueError("num_redundant_experts must be >= 0")
+        if self.num_nodes < 1:
+            raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
 
 
-def cpu_has_fast_bf16() -> bool:
-    """AVX-512-BF16 or AMX-BF16: bf16 compute is then faster than fp32 on this CPU."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+EPLB_ALGORITHMS = ("auto", "hierarchical", "global")
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+@dataclass(frozen=True)
+class EplbOptions:
+    """Expert-parallel load balancing (``eplb/balancer.py``). ``enable``: re-place every
+    ``interval_steps`` steps from the last ``window_steps``. ``stats_out``: where ``dump``
+    (and shutdown) writes the window; ``init_location``: a placement or raw-stats file that
+    sets the placement at start (``eplb/stats.py``)."""
 
+    enable: bool = False
+    interval_steps: int = 1000
+    window_steps: int = 1000
+    algorithm: str = "auto"
+    layers_per_step: int = 1
+    min_gain: float = 0.01  # move a layer only if its imbalance drops by more than this
+    stats_out: str | None = None
+    init_location: str | None = None
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on GPUs and on CPUs with fast bf16, else fp32 (the fast path on AVX2)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda" or cpu_has_fast_bf16():
-            return torch.bfloat16
-        return torch.float32
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(
-            f"unknown dtype {dtype!r}; choose auto, {', '.join(sorted(set(_DTYPES)))}"
-        ) from None
+    def __post_init__(self) -> None:
+        if self.algorithm not in EPLB_ALGORITHMS:
+            raise ValueError(
+                f"eplb_algorithm must be one of {EPLB_ALGORITHMS}, got {self.algorithm!r}"
+            )
+        for name in ("interval_steps", "window_steps", "layers_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eplb {name} must be >= 1, got {getattr(self, name)}")
+        if self.min_gain < 0:
+            raise ValueError(f"eplb min_gain must be >= 0, got {self.min_gain}")
+
+    @property
+    def chunk_steps(self) -> int:
+        """Granularity of the sliding window: the largest divisor of it up to 10."""
+        return max(c for c in range(1, 11) if self.window_steps % c == 0)
 
 
 @dataclass(frozen=True)
@@ -147,9 +152,7 @@ class EngineConfig:
             )
 
     @property
-    def parallel_dims(self):
-        from moeserve.distributed.parallel_dims import ParallelDims
-
+    def parallel_dims(self) -> ParallelDims:
         return ParallelDims(
             self.tensor_parallel_size,
             self.data_parallel_size,
@@ -158,17 +161,13 @@ class EngineConfig:
         )
 
     @property
-    def moe_options(self):
-        from moeserve.layers.moe_block import MoEOptions
-
+    def moe_options(self) -> MoEOptions:
         return MoEOptions(
             self.moe_overlap, self.two_batch_overlap, self.num_redundant_experts, self.nnodes
         )
 
     @property
-    def eplb_options(self):
-        from moeserve.eplb.balancer import EplbOptions
-
+    def eplb_options(self) -> EplbOptions:
         return EplbOptions(
             enable=self.enable_eplb,
             interval_steps=self.eplb_interval,
@@ -182,30 +181,3 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
-
-    @property
-    def weight_format(self) -> str | None:
-        """The format the weights are held in: ``quantization`` when set; with ``dtype="auto"``
-        on a CPU whose AMX kernels run, bf16 (with fp32 activations, ``torch_dtype``): faster
-        than computing in bf16 throughout and closer to fp32 (docs/benchmarks.md); else None
-        (the model dtype)."""
-        if self.quantization is not None or self.dtype != "auto":
-            return self.quantization
-        if self.torch_device.type != "cpu" or not cpu_has_fast_bf16():
-            return None
-        from moeserve.ops.cpu import amx  # builds the kernels on first use
-
-        return "bf16" if amx.available() else None
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        device = self.torch_device
-        if self.dtype == "auto" and device.type == "cpu" and self.weight_format in FP32_ACTIVATIONS:
-            return torch.float32  # the int8 and bf16-weight CPU kernels take fp32 activations
-        return resolve_dtype(self.dtype, device)
-
-
-def default_cache_dir() -> str:
-    return os.environ.get("MOESERVE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "moeserve"
-    )

@@ -12,6 +12,23 @@ from typing import Any
 
 from moeserve.core import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, SamplingParams
 
+
+@dataclasses.dataclass(frozen=True)
+class SeqStepOutput:
+    """What the model runner returns for one scheduled sequence of a step."""
+
+    token_id: int | None = None
+    logprobs: PositionLogprobs | None = None
+    # prompt-logprob entries for prompt positions [first_position, first_position + len)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    first_position: int = 0
+    # speculative decoding: tokens accepted after ``token_id`` in the same step, with their
+    # logprobs, and the drafts proposed for the next step
+    more_token_ids: tuple[int, ...] = ()
+    more_logprobs: tuple[PositionLogprobs | None, ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
+
+
 Json = dict[str, Any]
 
 
@@ -102,9 +119,7 @@ def step_output_to_json(o) -> Json:
     }
 
 
-def step_output_from_json(d: Json):
-    from moeserve.engine.model_runner import SeqStepOutput
-
+def step_output_from_json(d: Json) -> SeqStepOutput:
     return SeqStepOutput(
         token_id=d["token_id"],
         logprobs=logprobs_from_json(d["logprobs"]),

@@ -19,13 +19,14 @@ import torch
 from moeserve.config import EngineConfig
 from moeserve.core import FinishReason, PromptType, RequestOutput, SamplingParams, Sequence
 from moeserve.distributed.groups import ParallelGroups
-from moeserve.engine.model_runner import SeqStepOutput
+from moeserve.engine.codec import SeqStepOutput
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
 from moeserve.engine.spec_setup import check_mtp_checkpoint, make_runner
 from moeserve.eplb.balancer import ExpertBalancer
 from moeserve.kvcache.pool import KVCachePool
 from moeserve.models.loader import load_model
+from moeserve.ops import formats
 from moeserve.ops.cpu.allocator import keep_freed_memory, release_freed_memory
 from moeserve.ops.cpu.hugepages import move_to_huge_pages
 from moeserve.tokenizer import Tokenizer
@@ -54,7 +55,11 @@ class LLMEngine:
         self.groups = groups = groups or ParallelGroups.single()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.device = config.torch_device
+        # the weight format applied at load (None: the model dtype) and the dtype computed in
+        self.weight_format, self.dtype = formats.resolve(
+            config.quantization, config.dtype, self.device
+        )
         t0 = time.perf_counter()
         rss0 = resident_bytes()
         self.model, self.model_config, self.load_report = load_model(
@@ -68,7 +73,7 @@ class LLMEngine:
             progress=config.progress and groups.rank == 0,
             groups=groups,
             moe_options=config.moe_options,
-            quantization=config.weight_format,
+            weight_format=self.weight_format,
         )
         # weights stream through 2 MB pages on a CPU (ops/cpu/hugepages.py)
         self.huge_page_bytes = move_to_huge_pages(self.model) if self.device.type == "cpu" else 0

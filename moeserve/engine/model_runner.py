@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,26 +23,13 @@ from moeserve.core import Batch, PositionLogprobs
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.objects import broadcast_json
 from moeserve.engine import codec
+from moeserve.engine.codec import SeqStepOutput
 from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.sampler import Sampler, compute_prompt_logprobs
 from moeserve.models.base import MoECausalLM
 from moeserve.spec.batch import attention_rows
 from moeserve.spec.mtp import MTPProposer, MTPRows
 from moeserve.spec.verify import verify
-
-
-@dataclass(frozen=True)
-class SeqStepOutput:
-    token_id: int | None = None
-    logprobs: PositionLogprobs | None = None
-    # prompt-logprob entries for prompt positions [first_position, first_position + len)
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    first_position: int = 0
-    # speculative decoding: tokens accepted after ``token_id`` in the same step, with their
-    # logprobs, and the drafts proposed for the next step
-    more_token_ids: tuple[int, ...] = ()
-    more_logprobs: tuple[PositionLogprobs | None, ...] = ()
-    draft_token_ids: tuple[int, ...] = ()
 
 
 class ModelRunner:

@@ -21,7 +21,7 @@ from moeserve.core import (
     Sequence,
 )
 from moeserve.detokenizer import IncrementalDetokenizer, find_stop
-from moeserve.engine.model_runner import SeqStepOutput
+from moeserve.engine.codec import SeqStepOutput
 from moeserve.tokenizer import Tokenizer
 
 

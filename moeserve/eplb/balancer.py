@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from moeserve.config import EplbOptions
 from moeserve.distributed.ep.migrate import move_experts
 from moeserve.eplb.algorithm import imbalance, rank_load, rebalance_experts
 from moeserve.eplb.stats import (
@@ -38,38 +38,6 @@ from moeserve.eplb.stats import (
 )
 
 logger = logging.getLogger(__name__)
-
-ALGORITHMS = ("auto", "hierarchical", "global")
-
-
-@dataclass(frozen=True)
-class EplbOptions:
-    """``enable``: re-place every ``interval_steps`` steps from the last ``window_steps``.
-    ``stats_out``: where ``dump`` (and shutdown) writes the window; ``init_location``: a
-    placement or raw-stats file that sets the placement at start (``eplb/stats.py``)."""
-
-    enable: bool = False
-    interval_steps: int = 1000
-    window_steps: int = 1000
-    algorithm: str = "auto"
-    layers_per_step: int = 1
-    min_gain: float = 0.01  # move a layer only if its imbalance drops by more than this
-    stats_out: str | None = None
-    init_location: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"eplb_algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        for name in ("interval_steps", "window_steps", "layers_per_step"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"eplb {name} must be >= 1, got {getattr(self, name)}")
-        if self.min_gain < 0:
-            raise ValueError(f"eplb min_gain must be >= 0, got {self.min_gain}")
-
-    @property
-    def chunk_steps(self) -> int:
-        """Granularity of the sliding window: the largest divisor of it up to 10."""
-        return max(c for c in range(1, 11) if self.window_steps % c == 0)
 
 
 class ExpertBalancer:

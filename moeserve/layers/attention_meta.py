@@ -123,16 +123,3 @@ class AttentionMetadata:
             block_size=bs,
             prefills=tuple(prefills),
         )
-
-
-def causal_bias(
-    num_q: int, context_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> torch.Tensor | None:
-    """[num_q, context_len] additive mask for queries at positions ``context_len - num_q ..``."""
-    if num_q == 1:
-        return None
-    offset = context_len - num_q
-    q_pos = torch.arange(num_q, device=device)[:, None] + offset
-    k_pos = torch.arange(context_len, device=device)[None, :]
-    mask = torch.zeros(num_q, context_len, dtype=dtype, device=device)
-    return mask.masked_fill_(k_pos > q_pos, float("-inf"))

@@ -29,13 +29,11 @@ from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
-from moeserve.ops.cpu import amx
 from moeserve.ops.cpu import attention as cpu_attention
-from moeserve.ops.cpu import kernels as cpu_kernels
 from moeserve.ops.cpu import rope as rope_kernels
-from moeserve.ops.linear import BoundLinear
+from moeserve.ops.cpu.mla_decode import MLADecodeCalls
+from moeserve.ops.mla import absorbed_weights, bind_mla_decode, head_gemm
 from moeserve.ops.prefill_attention import causal_attention_parts
-from moeserve.quant.int8 import as_int8, dense
 
 
 class MLAttention(nn.Module):
@@ -81,18 +79,42 @@ class MLAttention(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self._decode_calls = None  # weights move or change: bind again on the next decode
-        # an int8 kv_b_proj (quant/) is absorbed dequantized, in the model dtype; a w8a8_int8
-        # one in bf16 where the AMX kernels take it (its GEMMs already round their inputs to
-        # int8; the bf16 head products are 3.3x the fp32 ones at 32 rows)
-        q = as_int8(self.kv_b_proj.weight)
+        # a quantized kv_b_proj is absorbed dequantized, in the model dtype, and held as its
+        # format wants (w8a8_int8: bf16 where the AMX kernels take it)
         dtype = self.kv_a_layernorm.weight.dtype
-        w = dense(self.kv_b_proj.weight, dtype).view(self.H, self.N + self.V, self.C)
-        self.w_uk_HCN = w[:, : self.N, :].transpose(1, 2).contiguous()
-        self.w_uv_HVC = w[:, self.N :, :].contiguous()
-        if q is not None and q.act_int8 and q.device.type == "cpu" and amx.available():
-            uk, uv = self.w_uk_HCN.bfloat16(), self.w_uv_HVC.bfloat16()
-            if amx.weight_ok(uk) and amx.weight_ok(uv):
-                self.w_uk_HCN, self.w_uv_HVC = uk, uv
+        self.w_uk_HCN, self.w_uv_HVC = absorbed_weights(
+            self.kv_b_proj.weight, dtype, self.H, self.N, self.V, self.C
+        )
+
+    def _bind_decode(self) -> MLADecodeCalls | bool:
+        """The prebound decode calls of this layer, or False where they do not apply."""
+        o, rot = self.o_proj, self.rotary
+        q_norm = self.q_a_layernorm if self.Q else None
+        calls = bind_mla_decode(
+            self.qkv_a_proj.weight,
+            self.q_b_proj.weight if self.Q else self.q_proj.weight,
+            o.weight,
+            self.w_uk_HCN,
+            self.w_uv_HVC,
+            H=self.H,
+            C=self.C,
+            R=self.R,
+            N=self.N,
+            V=self.V,
+            Q=self.Q,
+            scale=self.scale,
+            reduce=o.tp.all_reduce if (o.reduce and o.tp.size > 1) else None,
+            q_norm=None if q_norm is None else q_norm.weight,
+            q_norm_eps=0.0 if q_norm is None else q_norm.eps,
+            kv_norm=self.kv_a_layernorm.weight,
+            kv_norm_eps=self.kv_a_layernorm.eps,
+            cos=rot.cos_cached,
+            sin=rot.sin_cached,
+            interleave=rot.interleave,
+            cache=self.kv_cache,
+            biased=self.qkv_a_proj.bias is not None or o.bias is not None,
+        )
+        return False if calls is None else calls
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         specs: dict[str, WeightSpec] = {}
@@ -118,6 +140,9 @@ class MLAttention(nn.Module):
                 specs.update(mod.weight_specs(f"{prefix}.{name}"))
         return specs
 
+    def _bound_tensors(self) -> tuple:
+        return self.kv_cache, self.w_uk_HCN, self.w_uv_HVC
+
     def forward(
         self, positions_T: torch.Tensor, x_TD: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -125,10 +150,10 @@ class MLAttention(nn.Module):
         if meta.num_decodes == T and self.kv_cache is not None:
             # decodes only: the prebound kernel calls, where they apply
             calls = self._decode_calls
-            if calls is None or (calls and not calls.fresh()):
-                calls = self._decode_calls = MLADecodeCalls.bind(self)
+            if calls is None or (calls and not calls.fresh(*self._bound_tensors())):
+                calls = self._decode_calls = self._bind_decode()
             if calls:
-                y_TD = calls(positions_T, x_TD, meta)
+                y_TD = calls(positions_T, x_TD, meta.slot_mapping_T, meta.decode_kernel_args)
                 if y_TD is not None:
                     return y_TD
         qkv_a = self.qkv_a_proj(x_TD)  # [T, Q + C + R]
@@ -206,7 +231,7 @@ class MLAttention(nn.Module):
         cpu = dev.type == "cpu" and cpu_attention.available()
         lat = torch.float32 if cpu else q_nope_BHN.dtype
         # q_lat[b, h] = q_nope[b, h] @ W_UK[h]; head-major
-        q_lat_HBC = _head_gemm(
+        q_lat_HBC = head_gemm(
             q_nope_BHN.transpose(0, 1),
             self.w_uk_HCN,
             torch.empty(self.H, B, self.C, dtype=lat, device=dev),
@@ -235,174 +260,5 @@ class MLAttention(nn.Module):
             o_lat_HBC = o_lat_BHC.transpose(0, 1)
         # out[b, h] = o_lat[b, h] @ W_UV[h]  -> [B, H, V], written batch-major for o_proj
         out_BHV = q_nope_BHN.new_empty(B, self.H, self.V)
-        _head_gemm(o_lat_HBC, self.w_uv_HVC, out_BHV.transpose(0, 1))
+        head_gemm(o_lat_HBC, self.w_uv_HVC, out_BHV.transpose(0, 1))
         return out_BHV
-
-
-def _head_gemm(x_HMK: torch.Tensor, w_HNK: torch.Tensor, out_HMN: torch.Tensor) -> torch.Tensor:
-    """``out[h] = x[h] @ w[h].T``: the fp32 kernel, the AMX one for bf16 weights, or ``bmm``
-    (the reference) in the weight's dtype."""
-    if cpu_kernels.head_gemm_nt(x_HMK, w_HNK, out_HMN) is not None:
-        return out_HMN
-    if amx.head_usable(x_HMK, w_HNK):
-        return amx.head_gemm_nt(x_HMK, w_HNK, out_HMN)
-    return out_HMN.copy_(torch.bmm(x_HMK.to(w_HNK.dtype), w_HNK.transpose(1, 2)))
-
-
-class MLADecodeCalls:
-    """One MLA layer's absorbed decode as kernel calls whose arguments are derived once: the
-    weights' pointers and strides when bound, the step's buffers and per-step arguments when
-    the number of decodes changes. Seven ctypes calls per layer and no torch ops besides the
-    output's allocation; :meth:`MLAttention.forward`'s torch path is the reference (and runs
-    where this does not apply). Rebound when the cache or the weights change."""
-
-    def __init__(self, attn: MLAttention) -> None:
-        self.attn = attn
-        self.cache = attn.kv_cache
-        self.qkv_a = BoundLinear(attn.qkv_a_proj.weight)
-        self.q_b = BoundLinear(attn.q_b_proj.weight if attn.Q else attn.q_proj.weight)
-        self.o = BoundLinear(attn.o_proj.weight)
-        o = attn.o_proj
-        self.reduce = o.tp.all_reduce if (o.reduce and o.tp.size > 1) else None
-        self.max_rows = min(self.qkv_a.max_rows, self.q_b.max_rows, self.o.max_rows)
-        self.max_rows = min(self.max_rows, cpu_kernels.MAX_ROWS)
-        self.norm_fn = cpu_kernels._library().moeserve_rms_norm
-        # the absorbed W_UK / W_UV: fp32 (kernels.c) or bf16 (--quantization bf16, AMX)
-        if attn.w_uk_HCN.dtype == torch.bfloat16:
-            self.head_fn = amx._library().moeserve_amx_head_gemm_nt_f32
-        else:
-            self.head_fn = cpu_kernels._library().moeserve_head_gemm_nt_small
-        self.rope_fn = rope_kernels._library().moeserve_mla_rope_cache
-        self.attn_fn = cpu_attention._library().moeserve_paged_decode_attention
-        self.wide = int(cpu_kernels.wide())
-        self.w_uk, self.w_uv = attn.w_uk_HCN, attn.w_uv_HVC
-        rot = attn.rotary
-        norms = [attn.kv_a_layernorm.weight] + ([attn.q_a_layernorm.weight] if attn.Q else [])
-        # every tensor whose address the calls use, with that address
-        self.pointers = [(t, t.data_ptr()) for t in (*norms, rot.cos_cached, rot.sin_cached)]
-        self.pointers += [(t, t.data_ptr()) for t in (self.w_uk, self.w_uv, self.cache)]
-        for lin in (self.qkv_a, self.q_b, self.o):
-            self.pointers += lin.pointers
-        self.T = 0  # the row count the buffers and argument tuples below are for
-
-    def fresh(self) -> bool:
-        """Whether the layer still has the cache and weights bound, at the same addresses
-        (loading or moving weights into huge pages replaces them)."""
-        for t, ptr in self.pointers:
-            if t.data_ptr() != ptr:
-                return False
-        a = self.attn
-        return a.kv_cache is self.cache and a.w_uk_HCN is self.w_uk and a.w_uv_HVC is self.w_uv
-
-    @staticmethod
-    def bind(attn: MLAttention) -> MLADecodeCalls | bool:
-        """The calls for ``attn``, or False where they do not apply (no kernels here, not
-        fp32 on the CPU (the absorbed weights may be bf16 on AMX), biases, a layout the
-        kernels do not take)."""
-        rot, cache = attn.rotary, attn.kv_cache
-        norms = [attn.kv_a_layernorm.weight] + ([attn.q_a_layernorm.weight] if attn.Q else [])
-        absorbed = [attn.w_uk_HCN, attn.w_uv_HVC]
-        fp32 = [*norms, rot.cos_cached, rot.sin_cached, cache]
-        if absorbed[0].dtype == torch.float32:
-            fp32 += absorbed
-        elif not all(w.dtype == torch.bfloat16 and amx.weight_ok(w) for w in absorbed):
-            return False
-        ok = (
-            cache is not None
-            and all(
-                t is not None
-                and t.dtype == torch.float32
-                and t.device.type == "cpu"
-                and t.is_contiguous()
-                for t in fp32
-            )
-            and all(w.is_contiguous() and w.device.type == "cpu" for w in absorbed)
-            and (absorbed[0].dtype == torch.float32 or amx.available())
-            and cache.dim() == 2
-            and cache.shape[1] == attn.C + attn.R
-            and attn.qkv_a_proj.bias is None
-            and attn.o_proj.bias is None
-            and attn.H <= cpu_attention.MAX_HEADS_PER_KV
-            and attn.R <= 2 * rope_kernels.MAX_HALF
-            and rot.cos_cached.shape[1] * 2 == attn.R
-            and cpu_kernels.available()
-            and cpu_attention.available()
-            and rope_kernels._library() is not None
-        )
-        if not ok:
-            return False
-        calls = MLADecodeCalls(attn)
-        if not (calls.qkv_a.fn and calls.q_b.fn and calls.o.fn):
-            return False
-        return calls
-
-    def _prepare(self, T: int) -> None:
-        """Buffers for T decode rows, reused by every step of that size, and the argument
-        tuples that point into them."""
-        a = self.attn
-        H, C, R, N, V, Q = a.H, a.C, a.R, a.N, a.V, a.Q
-        f32 = dict(dtype=torch.float32)
-        self.qkv = torch.empty(T, Q + C + R, **f32)  # [q_a | c_kv | k_pe] before norms
-        self.qn = torch.empty(T, Q, **f32) if Q else None  # normed q_a
-        self.q = torch.empty(T, H * (N + R), **f32)  # per head [q_nope | q_pe]
-        self.q_lat = torch.empty(H, T, C, **f32)
-        self.o_lat = torch.empty(H, T, C, **f32)
-        self.out = torch.empty(T, H * V, **f32)  # per head [V], o_proj's input
-        qkv, q, K = self.qkv.data_ptr(), self.q.data_ptr(), N + R
-        ld = Q + C + R
-        if Q:
-            w = a.q_a_layernorm.weight
-            self.qnorm_args = (T, Q, qkv, ld, w.data_ptr(), a.q_a_layernorm.eps)
-            self.qnorm_args += (self.qn.data_ptr(), Q)
-        norm, rot = a.kv_a_layernorm, a.rotary
-        # rope: (T, H, N, R, C, q, ldq, kv, ldkv, norm_w, eps, cos, sin) + (pos, il, cache, slots)
-        self.rope_head = (T, H, N, R, C, q, H * K, qkv + 4 * Q, ld, norm.weight.data_ptr())
-        self.rope_head += (norm.eps, rot.cos_cached.data_ptr(), rot.sin_cached.data_ptr())
-        self.rope_mid = (int(rot.interleave), self.cache.data_ptr())
-        # q_lat[h] = q_nope[h] @ W_UK[h]^T: x rows [h, t] at q + h*K + t*H*K
-        uk = a.w_uk_HCN
-        self.uk_args = (H, T, C, N, q, K, H * K, uk.data_ptr(), C * N, N)
-        self.uk_args += (self.q_lat.data_ptr(), T * C, C, self.wide)
-        # attention: (B, G, Hg, Dk, Dv, D1, q1 [b, h] at b*C + h*T*C, q2 = q_pe, scale, cache)
-        self.attn_head = (T, 1, H, C + R, C, C, self.q_lat.data_ptr(), C, T * C)
-        self.attn_head += (q + 4 * N, H * K, K, a.scale, self.cache.data_ptr(), C + R, 0, 0, 0, 0)
-        self.attn_out = (self.o_lat.data_ptr(), C, T * C, 0)  # 0: the cache is fp32
-        # out[t, h] = o_lat[h, t] @ W_UV[h]^T
-        uv = a.w_uv_HVC
-        self.uv_args = (H, T, V, C, self.o_lat.data_ptr(), T * C, C, uv.data_ptr(), V * C, C)
-        self.uv_args += (self.out.data_ptr(), V, H * V, self.wide)
-        self.T = T
-
-    def __call__(
-        self, positions_T: torch.Tensor, x_TD: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor | None:
-        """``o_proj(attention)`` of T decode rows ``x_TD`` (each its sequence's new token at
-        ``positions_T``), their latents written into the cache; None, having done nothing,
-        where the kernels do not take these rows."""
-        T = x_TD.shape[0]
-        step = meta.decode_kernel_args  # (block table, its row stride, lengths, block size)
-        if not (0 < T <= self.max_rows) or step is None:
-            return None
-        pos, slots = positions_T, meta.slot_mapping_T
-        if not (
-            pos.dtype == slots.dtype == torch.int64
-            and pos.is_contiguous()
-            and slots.is_contiguous()
-        ):
-            return None
-        if T != self.T:
-            self._prepare(T)
-        self.qkv_a(x_TD, self.qkv)
-        if self.qn is not None:
-            self.norm_fn(*self.qnorm_args)
-            self.q_b(self.qn, self.q)
-        else:
-            self.q_b(x_TD, self.q)
-        self.rope_fn(*self.rope_head, pos.data_ptr(), *self.rope_mid, slots.data_ptr())
-        failed = self.head_fn(*self.uk_args)  # the AMX call reports a failed allocation
-        if failed or self.attn_fn(*self.attn_head, *step, *self.attn_out) != 0:
-            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
-        if self.head_fn(*self.uv_args):
-            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
-        y_TD = self.o(self.out)
-        return y_TD if self.reduce is None else self.reduce(y_TD)

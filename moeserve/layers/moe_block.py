@@ -16,11 +16,10 @@ K top-k, R rows dispatched to this rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from moeserve.config import MoEOptions
 from moeserve.distributed.ep.all_to_all import AllToAllDispatcher
 from moeserve.distributed.ep.moe_step import ep_moe_forward
 from moeserve.distributed.ep.placement import ExpertPlacement
@@ -29,24 +28,8 @@ from moeserve.layers.linear import GatedMLP, Linear
 from moeserve.layers.moe import FusedExperts, Router
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
-from moeserve.ops.cpu import amx, amx_int8, kernels, moe_sort
-from moeserve.ops.cpu import int8 as int8_kernels
-from moeserve.ops.linear import BoundLinear
-from moeserve.quant.int8 import as_int8
-
-
-@dataclass(frozen=True)
-class MoEOptions:
-    overlap: bool = True  # run the shared experts while the dispatch is in flight
-    two_batch: bool = False  # split each batch into two micro-batches around the all-to-alls
-    num_redundant_experts: int = 0
-    num_nodes: int = 1  # hosts the world spans (replicas on a token's own node come first)
-
-    def __post_init__(self) -> None:
-        if self.num_redundant_experts < 0:
-            raise ValueError("num_redundant_experts must be >= 0")
-        if self.num_nodes < 1:
-            raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
+from moeserve.ops.cpu.moe_decode import GroupedRouting, MoEDecodeCalls
+from moeserve.ops.moe import bind_moe_decode
 
 
 class MoEBlock(nn.Module):
@@ -139,8 +122,8 @@ class MoEBlock(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.placement is None:
             calls = self._decode_calls
-            if calls is None or (calls and not calls.fresh()):
-                calls = self._decode_calls = MoEDecodeCalls.bind(self)
+            if calls is None or (calls and not calls.fresh(self.expert_counts_E)):
+                calls = self._decode_calls = self._bind_decode()
             y_TD = calls(x_TD) if calls else None
             if y_TD is not None:
                 if self.shared is not None:
@@ -153,6 +136,31 @@ class MoEBlock(nn.Module):
                 y_TD = y_TD + self._shared(x_TD)
             return self.tp.all_reduce(y_TD)
         return self._forward_ep(x_TD)
+
+    def _bind_decode(self) -> MoEDecodeCalls | bool:
+        """The routed experts of a decode step (few rows, no EP, DeepSeek's sigmoid routing)
+        as prebound kernel calls, or False where they do not apply."""
+        gate, c = self.gate, self.gate.config
+        if self.placement is not None or not gate.sigmoid:
+            return False
+        routing = GroupedRouting(
+            c.num_experts,
+            c.n_group,
+            c.topk_group,
+            c.num_experts_per_tok,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+        calls = bind_moe_decode(
+            gate.weight,
+            routing,
+            gate.e_score_correction_bias,
+            self.expert_counts_E,
+            self.experts.w13_EFD,
+            self.experts.w2_EDF,
+            -1 if self.shared_slot is None else self.shared_slot,
+        )
+        return False if calls is None else calls
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         s_TD = self.shared(x_TD)
@@ -195,181 +203,3 @@ class MoEBlock(nn.Module):
         if self.shared_gate is not None:
             specs.update(self.shared_gate.weight_specs(f"{prefix}.shared_expert_gate"))
         return specs
-
-
-class MoEDecodeCalls:
-    """The routed experts of a decode step (few rows, no EP) as kernel calls whose arguments
-    are derived once: router logits, routing (``kernels.c``), the pairs sorted by expert and
-    gathered (``moe_sort.c``), the one-call MoE kernel (int8, w8a8_int8 and bf16 weights
-    directly, fp32 through ``kernels.moe_experts``), the rows added back per token. The torch
-    path of :meth:`MoEBlock.forward` (``FusedExperts``, ``moe_grouped``) is the reference and
-    runs where this does not apply; the two agree bit for bit."""
-
-    def __init__(self, block: MoEBlock) -> None:
-        c, gate, experts = block.gate.config, block.gate, block.experts
-        self.block = block
-        self.gate = BoundLinear(gate.weight)
-        self.num_slots = experts.w13_EFD.shape[0]
-        self.D, self.F = experts.w13_EFD.shape[2], experts.w13_EFD.shape[1] // 2
-        extra = -1 if block.shared_slot is None else block.shared_slot
-        self.K = c.num_experts_per_tok + (extra >= 0)
-        bias = gate.e_score_correction_bias
-        self.route_fn = kernels._library().moeserve_route_grouped_sigmoid
-        self.route_const = (c.num_experts, c.n_group, c.topk_group, c.num_experts_per_tok)
-        self.route_mid = (None if bias is None else bias.data_ptr(), int(c.norm_topk_prob))
-        self.route_mid += (c.routed_scaling_factor,)
-        self.extra = extra
-        self.counts = block.expert_counts_E
-        self.sort_fn = moe_sort._library().moeserve_moe_sort
-        self.combine_fn = moe_sort._library().moeserve_moe_combine
-        q13, q2 = as_int8(experts.w13_EFD), as_int8(experts.w2_EDF)
-        self.int8_fn = self.w8a8_fn = None
-        self.max_rows = kernels.MAX_ROWS
-        if q13 is not None:
-            self.int8_w = tuple(t.data_ptr() for t in (q13.q, q13.scale, q2.q, q2.scale))
-            self.max_rows = int8_kernels.MAX_ROWS  # decode batches; more go to experts_sorted
-        if q13 is not None and q13.act_int8:  # w8a8_int8 on AMX: amx_int8.c directly
-            self.w8a8_fn = amx_int8._library().moeserve_amx_i8_moe
-        elif q13 is not None:
-            self.int8_fn = int8_kernels._library().moeserve_int8_moe_small
-        self.amx_fn = None  # bf16 weights (--quantization bf16, on AMX): amx.c directly
-        bf16 = (experts.w13_EFD, experts.w2_EDF) if q13 is None else ()
-        if bf16 and bf16[0].dtype == torch.bfloat16:
-            self.amx_fn = amx._library().moeserve_amx_moe
-            self.amx_w = tuple(t.data_ptr() for t in bf16)
-        else:
-            bf16 = ()
-        self.wide = int(kernels.wide())
-        # every tensor whose address the calls use, with that address
-        w = (q13.q, q13.scale, q2.q, q2.scale) if q13 is not None else bf16
-        w += (*(() if bias is None else (bias,)), self.counts)
-        self.pointers = [(t, t.data_ptr()) for t in w] + list(self.gate.pointers)
-        self.T = 0  # the row count the buffers below are for
-
-    def fresh(self) -> bool:
-        """Whether the block still has the weights and counts bound, at the same addresses
-        (loading or moving weights into huge pages replaces them)."""
-        for t, ptr in self.pointers:
-            if t.data_ptr() != ptr:
-                return False
-        return self.counts is self.block.expert_counts_E
-
-    @staticmethod
-    def bind(block: MoEBlock) -> MoEDecodeCalls | bool:
-        """The calls for ``block``, or False where they do not apply (EP, softmax routing, no
-        kernels here, weights off the CPU or not fp32/int8 contiguous)."""
-        gate, experts = block.gate, block.experts
-        c = gate.config
-        w13, w2 = experts.w13_EFD, experts.w2_EDF
-        q13, q2 = as_int8(w13), as_int8(w2)
-        if q13 is not None and q2 is not None and q13.act_int8:
-            weights = (q13.q, q13.scale, q2.q, q2.scale)
-            ok_weights = q2.act_int8 and amx_int8.weight_ok(q13) and amx_int8.weight_ok(q2)
-            ok_weights = ok_weights and amx_int8.available()
-        elif q13 is not None and q2 is not None:
-            weights = (q13.q, q13.scale, q2.q, q2.scale)
-            ok_weights = int8_kernels.available()
-        elif q13 is None and q2 is None:
-            weights = (w13, w2)
-            ok_weights = w13.dtype == w2.dtype == torch.float32 or (
-                w13.dtype == w2.dtype == torch.bfloat16
-                and amx.available()
-                and w13.shape[2] % amx.K_ALIGN == 0
-                and w2.shape[2] % amx.K_ALIGN == 0
-            )
-        else:
-            return False
-        bias = gate.e_score_correction_bias
-        counts = block.expert_counts_E
-        ok = (
-            block.placement is None
-            and gate.sigmoid
-            and ok_weights
-            and all(t.device.type == "cpu" and t.is_contiguous() for t in weights)
-            and gate.weight.dtype == torch.float32
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-            and counts.dtype == torch.int64
-            and counts.is_contiguous()
-            and c.num_experts <= 1024
-            and c.n_group <= 256
-            and c.num_experts_per_tok <= c.topk_group * (c.num_experts // c.n_group)
-            and kernels.available()
-            and moe_sort.available()
-        )
-        if not ok:
-            return False
-        calls = MoEDecodeCalls(block)
-        return calls if calls.gate.fn is not None else False
-
-    def _prepare(self, T: int) -> None:
-        """Buffers for T rows, reused by every step of that size."""
-        R, D = T * self.K, self.D
-        self.logits = torch.empty(T, self.route_const[0], dtype=torch.float32)
-        self.ids = torch.empty(T, self.K, dtype=torch.int64)
-        self.w = torch.empty(T, self.K, dtype=torch.float32)
-        self.meta = torch.empty(3, R, dtype=torch.int64)  # expert, first row, rows
-        self.token = torch.empty(R, dtype=torch.int64)
-        self.weight = torch.empty(R, dtype=torch.float32)
-        self.x_sorted = torch.empty(R, D, dtype=torch.float32)
-        self.h = torch.empty(R, 2 * self.F, dtype=torch.float32)
-        self.y_sorted = torch.empty(R, D, dtype=torch.float32)
-        self.route_out = (self.ids.data_ptr(), self.w.data_ptr())
-        m = self.meta
-        self.sort_args = (T, self.K, self.num_slots, self.ids.data_ptr(), self.w.data_ptr())
-        self.sort_out = (D, m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr())
-        self.sort_out += (self.token.data_ptr(), self.weight.data_ptr(), self.x_sorted.data_ptr())
-        self.int8_meta = (m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr(), D, self.F)
-        self.int8_meta += (self.x_sorted.data_ptr(),)
-        self.int8_out = (self.weight.data_ptr(), self.h.data_ptr(), self.y_sorted.data_ptr())
-        # the AMX calls pad each expert's rows to 16: at most 15 more per expert hit
-        P = R + 15 * min(R, self.num_slots)
-        if self.w8a8_fn is not None:
-            self.w8a8_ws = amx_int8.MoEWorkspace(P, D, self.F)
-            self.w8a8_args = (*self.int8_meta, *self.int8_w, self.weight.data_ptr())
-            self.w8a8_args += (self.y_sorted.data_ptr(), *self.w8a8_ws.pointers())
-        if self.amx_fn is not None:
-            self.amx_h = torch.empty(P, 2 * self.F, dtype=torch.float32)
-            self.amx_xp, self.amx_hp = amx._packed(P, D), amx._packed(P, self.F)
-            self.amx_x = (*self.int8_meta, 1, *self.amx_w, self.weight.data_ptr())
-            self.amx_out = (self.y_sorted.data_ptr(), 1, self.amx_xp.data_ptr())
-            self.amx_out += (self.amx_h.data_ptr(), self.amx_hp.data_ptr())
-        self.T = T
-
-    def __call__(self, x_TD: torch.Tensor) -> torch.Tensor | None:
-        """The routed (and folded shared) experts' output ``[T, D]`` for few fp32 rows, the
-        choices counted; None, having done nothing, where the kernels do not take them."""
-        if not kernels.few_rows(x_TD, self.max_rows):
-            return None
-        T = x_TD.shape[0]
-        if T != self.T:
-            self._prepare(T)
-        self.gate(x_TD, self.logits)
-        self.route_fn(
-            T, *self.route_const, self.logits.data_ptr(), *self.route_mid, *self.route_out,
-            self.counts.data_ptr(), self.extra,
-        )  # fmt: skip
-        G = self.sort_fn(*self.sort_args, x_TD.data_ptr(), x_TD.stride(0), *self.sort_out)
-        if G < 0:  # the routing kernel only writes ids in [0, E): a broken invariant
-            raise RuntimeError(f"MoE decode: an expert id outside [0, {self.num_slots})")
-        if self.int8_fn is not None:
-            self.int8_fn(G, *self.int8_meta, *self.int8_w, *self.int8_out, self.wide)
-            y_RD = self.y_sorted
-        elif self.w8a8_fn is not None:
-            self.w8a8_fn(G, *self.w8a8_args)
-            y_RD = self.y_sorted
-        elif self.amx_fn is not None:  # fp32 rows in and out (the 1s), bf16 weights
-            self.amx_fn(G, *self.amx_x, *self.amx_out)
-            y_RD = self.y_sorted
-        else:  # fp32: the kernel through its wrapper, which takes the groups as lists
-            experts, _starts, counts = self.meta[:, :G].tolist()
-            e = self.block.experts
-            y_RD = kernels.moe_experts(
-                self.x_sorted, experts, counts, e.w13_EFD, e.w2_EDF, self.weight
-            )
-        if T == 1:  # the reference's sum, so the result matches it bit for bit
-            return y_RD.sum(dim=0, keepdim=True)
-        y_TD = torch.empty(T, self.D, dtype=torch.float32)
-        self.combine_fn(
-            T * self.K, T, self.D, y_RD.data_ptr(), self.token.data_ptr(), y_TD.data_ptr()
-        )
-        return y_TD

@@ -14,20 +14,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-        # (kernel, weight pointer) for decode rows, bound on first use (``_bind``)
-        self._kernel: tuple | None = None
-
-    def _bind(self) -> tuple | None:
-        w = self.weight
-        if not (
-            w.dtype == torch.float32
-            and w.device.type == "cpu"
-            and w.is_contiguous()
-            and kernels.available()
-        ):
-            return None
-        self._kernel = (kernels._library().moeserve_rms_norm, w, w.data_ptr())
-        return self._kernel
+        # the kernel for decode rows with the weight bound, on first use
+        self._kernel: kernels.BoundRMSNorm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -49,14 +37,7 @@ class RMSNorm(nn.Module):
         (a column slice is fine), into ``out [M, D]`` when given; None when it does not apply
         (the caller then runs ``F.rms_norm``, the reference)."""
         k = self._kernel
-        if k is None or k[1] is not self.weight or k[2] != self.weight.data_ptr():
-            k = self._bind()  # first call, or the weight was replaced or moved
-            if k is None:
-                return None
-        if not kernels.few_rows(x):
-            return None
-        M, D = x.shape
-        if out is None:
-            out = torch.empty(M, D, dtype=torch.float32)
-        k[0](M, D, x.data_ptr(), x.stride(0), k[2], self.eps, out.data_ptr(), out.stride(0))
-        return out
+        if k is None or not k.fresh(self.weight):
+            # first call, or the weight was replaced or moved
+            k = self._kernel = kernels.BoundRMSNorm.bind(self.weight, self.eps)
+        return None if k is None else k(x, out)

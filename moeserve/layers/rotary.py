@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moeserve.models.hf_config import RopeConfig
+from moeserve.ops.cpu.rope import apply_rope
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -97,19 +98,3 @@ class RotaryEmbedding(nn.Module):
         """x: [T, ..., dim] -> same shape, rotated."""
         cos, sin = self._cos_sin(positions_T, x.dtype)
         return apply_rope(x, cos, sin, self.interleave)
-
-
-def apply_rope(
-    x: torch.Tensor, cos_TX: torch.Tensor, sin_TX: torch.Tensor, interleave: bool
-) -> torch.Tensor:
-    """RoPE of the last dim of ``x [T, ..., R]`` with the cos/sin rows ``[T, R/2]`` of its
-    positions; interleaved pairs come out de-interleaved (the C kernel of
-    ``ops/cpu/rope.c`` does the same arithmetic)."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos_TX.shape[-1],)
-    cos, sin = cos_TX.view(shape), sin_TX.view(shape)
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

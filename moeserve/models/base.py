@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moeserve.config import MoEOptions
 from moeserve.distributed.groups import Axis, ParallelGroups
 from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.linear import GatedMLP, copy_into
-from moeserve.layers.moe_block import MoEBlock, MoEOptions
+from moeserve.layers.moe_block import MoEBlock
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig

@@ -15,11 +15,11 @@ import logging
 import torch
 from torch import nn
 
+from moeserve.config import MoEOptions
 from moeserve.distributed.groups import Axis, ParallelGroups
 from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.linear import Linear, copy_into
 from moeserve.layers.mla import MLAttention
-from moeserve.layers.moe_block import MoEOptions
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.base import DecoderLayer, KVCacheSpec, MoECausalLM

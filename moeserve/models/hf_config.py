@@ -12,9 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moeserve.models.registry import supported_architectures
+
 
 class ConfigError(ValueError):
     """A config.json that is missing, unreadable or describes something we cannot run."""
+
+
+def resolve_architecture(architectures: list[str], source: str = "config.json") -> str:
+    """The first supported entry of ``architectures``; a clear error listing what we support."""
+    for arch in architectures:
+        if arch in supported_architectures():
+            return arch
+    raise ConfigError(
+        f"{source}: unsupported architecture {architectures or '(none given)'}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
 
 
 @dataclass(frozen=True)
@@ -143,8 +156,6 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        from moeserve.models.registry import resolve_architecture
-
         archs = raw.get("architectures") or []
         arch = resolve_architecture(archs, source)
 

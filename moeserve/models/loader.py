@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moeserve.config import MoEOptions
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.parallel_dims import ParallelDims
-from moeserve.layers.moe_block import MoEOptions
 from moeserve.models.base import MoECausalLM
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.registry import model_class
+from moeserve.models.weight_format import apply_weight_format
 from moeserve.models.weights import INDEX_FILE, LoadReport, checkpoint_files, load_checkpoint
-from moeserve.quant.apply import apply_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +48,11 @@ def load_model(
     progress: bool = True,
     groups: ParallelGroups | None = None,
     moe_options: MoEOptions | None = None,
-    quantization: str | None = None,
+    weight_format: str | None = None,
 ) -> tuple[MoECausalLM, ModelConfig, LoadReport]:
     """Build this rank's part of the model and read only its tensors (or their slices).
-    With ``quantization="int8"`` (or ``"w8a8_int8"``) the weights are quantized as they are
-    read (``quant/``)."""
+    With a ``weight_format`` (``ops/formats``: "int8", "w8a8_int8", "bf16") the weights are
+    converted to it as they are read (``models/weight_format.py``)."""
     config = ModelConfig.from_dir(model_dir)
     groups = groups or ParallelGroups.single()
     check_layout(config, groups.dims, moe_options or MoEOptions())
@@ -74,7 +74,7 @@ def load_model(
             groups=groups,
             moe_options=moe_options,
         )
-    apply_quantization(model, quantization)
+    apply_weight_format(model, weight_format)
     report = load_checkpoint(
         model_dir,
         model.weight_specs(),

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.config import MoEOptions
 from moeserve.distributed.groups import Axis, ParallelGroups
 from moeserve.layers.attention import GQAttention
-from moeserve.layers.moe_block import MoEOptions
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.base import KVCacheSpec, MoECausalLM
 from moeserve.models.hf_config import ModelConfig

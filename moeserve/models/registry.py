@@ -20,19 +20,13 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def resolve_architecture(architectures: list[str], source: str = "config.json") -> str:
-    """The first supported entry of ``architectures``; a clear error listing what we support."""
-    from moeserve.models.hf_config import ConfigError
-
-    for arch in architectures:
-        if arch in _MODELS:
-            return arch
-    raise ConfigError(
-        f"{source}: unsupported architecture {architectures or '(none given)'}; "
-        f"supported: {', '.join(supported_architectures())}"
-    )
-
-
 def model_class(architecture: str) -> type[nn.Module]:
-    module, name = _MODELS[resolve_architecture([architecture])]
+    """The model class of a supported ``architecture``; ValueError naming the supported ones
+    otherwise (``ModelConfig.from_hf`` has already checked a config's)."""
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    module, name = _MODELS[architecture]
     return getattr(importlib.import_module(module), name)

@@ -22,10 +22,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeserve.layers.attention_meta import causal_bias
 from moeserve.ops.cpu import prefill_attention as kernel
 
 _SCORE_ELEMS = 1 << 22  # fp32 scores per block (16 MB): bounds the block at long contexts
+
+
+def causal_bias(
+    num_q: int, context_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor | None:
+    """[num_q, context_len] additive mask for queries at positions ``context_len - num_q ..``."""
+    if num_q == 1:
+        return None
+    offset = context_len - num_q
+    q_pos = torch.arange(num_q, device=device)[:, None] + offset
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = torch.zeros(num_q, context_len, dtype=dtype, device=device)
+    return mask.masked_fill_(k_pos > q_pos, float("-inf"))
 
 
 def causal_attention_ref(

@@ -52,13 +52,13 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass(frozen=True)
 class Int8Tensor:
     """Rows of an int8 weight: ``q [..., N, K]`` int8 and ``scale [..., N]`` fp32, views of the
-    owning :class:`Int8Weight`'s storage (writes go through). ``act_int8``: the w8a8_int8
-    format, where each GEMM with this weight quantizes its input rows to int8 per token too
-    (``ops/cpu/amx_int8.py``)."""
+    owning :class:`Int8Weight`'s storage (writes go through). ``weight_format``: the name of
+    the format it is held for (``ops/formats``): ``int8``, or ``w8a8_int8``, where each GEMM
+    with this weight quantizes its input rows to int8 per token too."""
 
     q: torch.Tensor
     scale: torch.Tensor
-    act_int8: bool = False
+    weight_format: str = "int8"
     dtype: ClassVar[torch.dtype] = torch.int8
 
     def __post_init__(self) -> None:
@@ -88,7 +88,7 @@ class Int8Tensor:
                 f"an int8 weight of shape {tuple(self.shape)} can be indexed by ints and "
                 f"slices over its leading dims only, got {index!r}"
             )
-        return Int8Tensor(self.q[idx], self.scale[idx], self.act_int8)
+        return Int8Tensor(self.q[idx], self.scale[idx], self.weight_format)
 
     def copy_(self, w: torch.Tensor) -> Int8Tensor:
         """Quantize ``w`` (same shape, any float dtype) into these rows."""
@@ -115,7 +115,7 @@ class Int8Tensor:
 class Int8Weight(nn.Module):
     """An int8 weight held by a layer in place of its fp32 parameter: parameters ``q`` (int8,
     the weight's shape) and ``scale`` (fp32, the shape without the last dim). Indexing,
-    ``copy_`` and ``zero_`` act on :attr:`data`. ``act_int8``: see :class:`Int8Tensor`."""
+    ``copy_`` and ``zero_`` act on :attr:`data`. ``weight_format``: see :class:`Int8Tensor`."""
 
     dtype: ClassVar[torch.dtype] = torch.int8
 
@@ -123,10 +123,10 @@ class Int8Weight(nn.Module):
         self,
         shape: tuple[int, ...],
         device: torch.device | str | None = None,
-        act_int8: bool = False,
+        weight_format: str = "int8",
     ) -> None:
         super().__init__()
-        self.act_int8 = act_int8
+        self.weight_format = weight_format
         if len(shape) < 2:
             raise ValueError(f"an int8 weight needs [..., N, K], got shape {tuple(shape)}")
         self.q = nn.Parameter(
@@ -135,14 +135,14 @@ class Int8Weight(nn.Module):
         self.scale = nn.Parameter(
             torch.zeros(shape[:-1], dtype=torch.float32, device=device), requires_grad=False
         )
-        self._data = Int8Tensor(self.q, self.scale, act_int8)
+        self._data = Int8Tensor(self.q, self.scale, weight_format)
 
     @property
     def data(self) -> Int8Tensor:
         """The rows as an :class:`Int8Tensor` (made once: every projection call asks)."""
         d, p = self._data, self._parameters
         if d.q is not p["q"] or d.scale is not p["scale"]:  # parameters were replaced
-            d = self._data = Int8Tensor(p["q"], p["scale"], self.act_int8)
+            d = self._data = Int8Tensor(p["q"], p["scale"], self.weight_format)
         return d
 
     @property
@@ -169,7 +169,7 @@ class Int8Weight(nn.Module):
         return self.data.dequantize(dtype)
 
     def extra_repr(self) -> str:
-        return f"shape={tuple(self.shape)}" + (", act_int8=True" if self.act_int8 else "")
+        return f"shape={tuple(self.shape)}, weight_format={self.weight_format}"
 
 
 def as_int8(w) -> Int8Tensor | None:
@@ -177,9 +177,3 @@ def as_int8(w) -> Int8Tensor | None:
     if isinstance(w, Int8Weight):
         return w.data
     return w if isinstance(w, Int8Tensor) else None
-
-
-def dense(w, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``w`` itself for a dense tensor; the dequantized weight for an int8 one."""
-    t = as_int8(w)
-    return w if t is None else t.dequantize(dtype)

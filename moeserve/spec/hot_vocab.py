@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from moeserve.ops import formats
 from moeserve.ops.linear import linear
-from moeserve.quant.int8 import Int8Tensor, as_int8
 
 
 def most_frequent_ids(token_ids: Iterable[int], n: int, vocab_size: int) -> list[int]:
@@ -88,15 +88,8 @@ class HotVocab:
         if not ids or ids[0] < 0 or ids[-1] >= V:
             raise ValueError(f"hot ids must be a non-empty subset of [0, {V}), got {len(ids)} ids")
         self.vocab_size = V
-        q = as_int8(head_weight)
-        dev = q.device if q is not None else head_weight.device
-        self.ids_H = torch.tensor(ids, dtype=torch.long, device=dev)
-        if q is not None:
-            self.weight_HD: torch.Tensor | Int8Tensor = Int8Tensor(
-                q.q[self.ids_H].contiguous(), q.scale[self.ids_H].contiguous(), q.act_int8
-            )
-        else:
-            self.weight_HD = head_weight.detach()[self.ids_H].contiguous()
+        self.ids_H = torch.tensor(ids, dtype=torch.long, device=head_weight.device)
+        self.weight_HD = formats.of(head_weight).take_rows(head_weight, self.ids_H)
 
     def __len__(self) -> int:
         return self.ids_H.numel()

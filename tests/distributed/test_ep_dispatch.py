@@ -16,7 +16,7 @@ from moeserve.distributed.ep import ExpertPlacement, ep_moe_forward, make_dispat
 from moeserve.distributed.ep.all_to_all import AllToAllDispatcher
 from moeserve.distributed.ep.local import LocalDispatcher
 from moeserve.distributed.ep.moe_step import moe_sorted_reference
-from moeserve.layers.moe import experts_sorted, moe_reference
+from moeserve.ops.moe import experts_sorted, moe_reference
 from tests.distributed.mp import run_ranks
 
 E, D, F_, K = 16, 32, 16, 3

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from moeserve.layers.attention_meta import AttentionMetadata
-from moeserve.layers.mla import MLADecodeCalls, MLAttention
-from moeserve.layers.moe import moe_grouped, moe_reference, route_grouped_sigmoid
+from moeserve.layers.mla import MLAttention
 from moeserve.layers.rotary import RotaryEmbedding, inv_freq_and_attention_factor
 from moeserve.models.hf_config import ModelConfig
+from moeserve.ops.cpu.mla_decode import MLADecodeCalls
+from moeserve.ops.moe import moe_grouped, moe_reference
+from moeserve.ops.routing import route_grouped_sigmoid
 from tests.checkpoints import DEEPSEEK_KW
 
 
@@ -106,11 +108,11 @@ def _random_mla(int8: bool) -> MLAttention:
 def _fill_random(module: torch.nn.Module, scale: float, int8: bool) -> None:
     """Random weights (``scale`` x normal) loaded into ``module``, int8-quantized first when
     asked, as a checkpoint's would be."""
-    from moeserve.quant.apply import quantize_int8
+    from moeserve.models.weight_format import apply_weight_format
 
     dense = {n: torch.randn(p.shape) * scale for n, p in module.named_parameters()}
     if int8:
-        quantize_int8(module)
+        apply_weight_format(module, "int8")
     for name, t in dense.items():
         mod_name, _, attr = name.rpartition(".")
         getattr(module.get_submodule(mod_name), attr).copy_(t)
@@ -157,8 +159,9 @@ def test_mla_decode_calls_equal_the_torch_path(B, int8):
 def test_moe_decode_calls_equal_the_torch_path(T, int8):
     """The prebound MoE decode calls (``MoEDecodeCalls``: routing, sort, one-call experts,
     combine) give the same output and expert counts, bit for bit, as the torch path."""
-    from moeserve.layers.moe_block import MoEBlock, MoEDecodeCalls
+    from moeserve.layers.moe_block import MoEBlock
     from moeserve.ops.cpu import kernels
+    from moeserve.ops.cpu.moe_decode import MoEDecodeCalls
 
     if not kernels.available():
         pytest.skip("no CPU kernels here")

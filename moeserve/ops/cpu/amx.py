@@ -20,9 +20,17 @@ from pathlib import Path
 
 import torch
 
-from moeserve.config import cpu_flags
 from moeserve.ops.cpu import build
+from moeserve.ops.cpu.bound import (
+    BoundGemm,
+    BoundHeadGemm,
+    MoEBuffers,
+    on_cpu_contiguous,
+    pointers,
+)
 from moeserve.ops.cpu.build import I64, INT, PTR
+from moeserve.ops.cpu.kernels import MAX_ROWS as ROW_KERNEL_ROWS  # the fp32 decode bound
+from moeserve.platform import cpu_flags
 
 _SOURCE = Path(__file__).with_name("amx.c")
 _FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
@@ -132,6 +140,25 @@ def gemm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -
     return out
 
 
+def bind_gemm(w: torch.Tensor, fallback) -> BoundGemm | None:
+    """fp32 rows (up to ``MAX_ROWS``) times the bf16 ``w`` with ``w`` bound; None where the
+    kernel does not take ``w``."""
+    if not (w.dim() == 2 and weight_ok(w) and available()):
+        return None
+    fn = _library().moeserve_amx_gemm_nt_f32
+    return BoundGemm(
+        fn, tuple(w.shape), (w.data_ptr(), w.stride(0)), MAX_ROWS, 0, pointers(w), fallback
+    )
+
+
+def bind_head_gemm(w_HNK: torch.Tensor) -> BoundHeadGemm | None:
+    """:func:`head_gemm_nt` of fp32 rows with the bf16 weight bound; None where the kernel
+    does not take it."""
+    if not (w_HNK.is_contiguous() and weight_ok(w_HNK) and available()):
+        return None
+    return BoundHeadGemm(_library().moeserve_amx_head_gemm_nt_f32, w_HNK, 0)
+
+
 def head_usable(x_HMK: torch.Tensor, w_HNK: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether :func:`head_gemm_nt` runs the kernel: bf16 or fp32 ``x``, bf16 weights."""
     return (
@@ -220,3 +247,40 @@ def moe_experts(
         y.data_ptr(), x_f32, xp.data_ptr(), h.data_ptr(), hp.data_ptr(),
     )  # fmt: skip
     return y
+
+
+class BoundMoE:
+    """The bf16 experts of a decode step (:class:`~moeserve.ops.cpu.bound.BoundExperts`) on
+    fp32 rows: one ``moeserve_amx_moe`` call over the sorted groups."""
+
+    max_rows = ROW_KERNEL_ROWS  # decode batches; more go through moe_experts
+
+    def __init__(self, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> None:
+        self.w_args = (w13_EFD.data_ptr(), w2_EDF.data_ptr())
+        self.pointers = pointers(w13_EFD, w2_EDF)
+        self.fn = _library().moeserve_amx_moe
+
+    @staticmethod
+    def bind(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> BoundMoE | None:
+        ok = (
+            w13_EFD.dtype == w2_EDF.dtype == torch.bfloat16
+            and available()
+            and w13_EFD.shape[2] % K_ALIGN == 0
+            and w2_EDF.shape[2] % K_ALIGN == 0
+            and on_cpu_contiguous(w13_EFD, w2_EDF)
+        )
+        return BoundMoE(w13_EFD, w2_EDF) if ok else None
+
+    def prepare(self, b: MoEBuffers) -> None:
+        P = b.padded_rows
+        self.h = torch.empty(P, 2 * b.F, dtype=torch.float32)  # by column, rows padded
+        self.xp, self.hp = _packed(P, b.D), _packed(P, b.F)
+        self.y = b.y_sorted
+        # fp32 rows in and out (the 1s), bf16 weights
+        self.args = (*b.group_args(), 1, *self.w_args, b.weight.data_ptr())
+        self.args += (b.y_sorted.data_ptr(), 1, self.xp.data_ptr(), self.h.data_ptr())
+        self.args += (self.hp.data_ptr(),)
+
+    def run(self, G: int) -> torch.Tensor:
+        self.fn(G, *self.args)
+        return self.y

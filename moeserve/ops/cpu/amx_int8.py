@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,7 +26,9 @@ import torch
 
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.amx import aligned_empty, load_amx_library
+from moeserve.ops.cpu.bound import BoundGemm, MoEBuffers, on_cpu_contiguous, pointers
 from moeserve.ops.cpu.build import I64, INT, PTR
+from moeserve.ops.cpu.int8 import MAX_ROWS as INT8_ROWS
 from moeserve.ops.cpu.int8 import moe_int8_ref
 from moeserve.quant.int8 import Int8Tensor
 
@@ -139,6 +142,17 @@ def gemm_nt(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None = None) -> 
     return out
 
 
+def bind_gemm(w: Int8Tensor, fallback) -> BoundGemm | None:
+    """:func:`gemm_nt` (any row count) with ``w`` bound; None where the kernel does not take
+    ``w``."""
+    if not (w.q.dim() == 2 and weight_ok(w) and available()):
+        return None
+    fn = _library().moeserve_amx_i8_gemm_nt
+    w_args = (w.q.data_ptr(), w.q.stride(0), w.scale.data_ptr())
+    bound = pointers(w.q, w.scale)
+    return BoundGemm(fn, tuple(w.shape), w_args, sys.maxsize, 0, bound, fallback)
+
+
 def moe_usable(x_RD: torch.Tensor, counts: list[int], w13: Int8Tensor, w2: Int8Tensor) -> bool:
     """Whether :func:`moe_experts` runs the kernel: fp32 contiguous rows, contiguous weights
     with D and F multiples of 64."""
@@ -197,3 +211,32 @@ def moe_experts(
         w2.scale.data_ptr(), weight32_R.data_ptr(), y.data_ptr(), *ws.pointers(),
     )  # fmt: skip
     return y
+
+
+class BoundMoE:
+    """The w8a8_int8 experts of a decode step (:class:`~moeserve.ops.cpu.bound.BoundExperts`):
+    one ``moeserve_amx_i8_moe`` call over the sorted groups, its workspace reused."""
+
+    max_rows = INT8_ROWS  # decode batches (the int8 row kernels' bound); more go to moe_experts
+
+    def __init__(self, w13: Int8Tensor, w2: Int8Tensor) -> None:
+        weights = (w13.q, w13.scale, w2.q, w2.scale)
+        self.w_args = tuple(t.data_ptr() for t in weights)
+        self.pointers = pointers(*weights)
+        self.fn = _library().moeserve_amx_i8_moe
+
+    @staticmethod
+    def bind(w13: Int8Tensor, w2: Int8Tensor) -> BoundMoE | None:
+        ok = weight_ok(w13) and weight_ok(w2) and available()
+        ok = ok and on_cpu_contiguous(w13.q, w13.scale, w2.q, w2.scale)
+        return BoundMoE(w13, w2) if ok else None
+
+    def prepare(self, b: MoEBuffers) -> None:
+        self.ws = MoEWorkspace(b.padded_rows, b.D, b.F)
+        self.y = b.y_sorted
+        self.args = (*b.group_args(), *self.w_args, b.weight.data_ptr())
+        self.args += (b.y_sorted.data_ptr(), *self.ws.pointers())
+
+    def run(self, G: int) -> torch.Tensor:
+        self.fn(G, *self.args)
+        return self.y

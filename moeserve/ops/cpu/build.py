@@ -20,7 +20,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from moeserve.config import cpu_flags, default_cache_dir
+from moeserve.platform import cpu_flags, default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.ops.cpu import build
+from moeserve.ops.cpu.bound import BoundGemm, MoEBuffers, on_cpu_contiguous, pointers
 from moeserve.ops.cpu.build import I64, INT, PTR
 from moeserve.ops.cpu.kernels import few_rows, moe_call_split, wide  # shared with fp32
 from moeserve.quant.int8 import Int8Tensor
@@ -139,6 +140,17 @@ def gemm_nt(
     return out
 
 
+def bind_gemm(w: Int8Tensor, fallback) -> BoundGemm | None:
+    """:func:`gemm_nt` for up to ``MAX_ROWS`` rows with ``w`` bound; None where the kernel does
+    not take ``w``."""
+    if not (available() and w.q.dim() == 2 and _rows_ok(w)):
+        return None
+    fn = _library().moeserve_int8_gemm_nt_small
+    w_args = (w.q.data_ptr(), w.q.stride(0), w.scale.data_ptr())
+    bound = pointers(w.q, w.scale)
+    return BoundGemm(fn, tuple(w.shape), w_args, MAX_ROWS, int(wide()), bound, fallback)
+
+
 def dequantize_into(w: Int8Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[:] = w.q * w.scale[:, None]`` (fp32 ``[N, K]``, unit-stride rows) with the kernel;
     the reference is ``Int8Tensor.dequantize``. The caller checks :func:`available`."""
@@ -214,3 +226,31 @@ def moe_experts(
             )
             y[rows] *= weight_R[rows, None]
     return y
+
+
+class BoundMoE:
+    """The int8 experts of a decode step (:class:`~moeserve.ops.cpu.bound.BoundExperts`): one
+    ``moeserve_int8_moe_small`` call over the sorted groups."""
+
+    max_rows = MAX_ROWS  # decode batches; more go through moe_experts
+
+    def __init__(self, w13: Int8Tensor, w2: Int8Tensor) -> None:
+        weights = (w13.q, w13.scale, w2.q, w2.scale)
+        self.w_args = tuple(t.data_ptr() for t in weights)
+        self.pointers = pointers(*weights)
+        self.fn = _library().moeserve_int8_moe_small
+        self.wide = int(wide())
+
+    @staticmethod
+    def bind(w13: Int8Tensor, w2: Int8Tensor) -> BoundMoE | None:
+        ok = available() and on_cpu_contiguous(w13.q, w13.scale, w2.q, w2.scale)
+        return BoundMoE(w13, w2) if ok else None
+
+    def prepare(self, b: MoEBuffers) -> None:
+        self.y = b.y_sorted
+        self.args = (*b.group_args(), *self.w_args, b.weight.data_ptr(), b.h.data_ptr())
+        self.args += (b.y_sorted.data_ptr(), self.wide)
+
+    def run(self, G: int) -> torch.Tensor:
+        self.fn(G, *self.args)
+        return self.y

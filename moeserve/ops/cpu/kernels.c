@@ -217,7 +217,7 @@ void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, con
     }
 }
 
-/* DeepSeek-V3 routing for few rows (the reference is layers/moe.py: route_grouped_sigmoid):
+/* DeepSeek-V3 routing for few rows (the reference is ops/routing.py: route_grouped_sigmoid):
  * scores = sigmoid(logits); choice = scores + bias; keep the topk_group groups whose two best
  * choice values sum highest; take the top_k choices among them (first index on ties);
  * weights = scores of those, optionally renormalised, times scale. */

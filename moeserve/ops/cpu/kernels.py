@@ -17,9 +17,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F_
 
-from moeserve.config import cpu_flags
 from moeserve.ops.cpu import build
+from moeserve.ops.cpu.bound import (
+    BoundGemm,
+    BoundHeadGemm,
+    MoEBuffers,
+    on_cpu_contiguous,
+    pointers,
+)
+from moeserve.ops.cpu.bound import few_rows as _few_rows
 from moeserve.ops.cpu.build import F32, I64, INT, PTR
+from moeserve.platform import cpu_flags
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 # measured faster than MKL's GEMM up to 128 rows here (96-128 rows: AVX-512 2.0-2.9x, AVX2
@@ -85,13 +93,7 @@ def _wide(avx512: bool | None) -> int:
 def few_rows(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether ``x`` is what the row kernels here (and the int8 ones, with their ``max_rows``)
     take: ``[M, K]`` fp32 on the CPU, 0 < M <= ``max_rows``, unit-stride rows."""
-    return (
-        x.dim() == 2
-        and 0 < x.shape[0] <= max_rows
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.stride(1) == 1
-    )
+    return _few_rows(x, max_rows)
 
 
 def weight_ok(w: torch.Tensor) -> bool:
@@ -130,6 +132,16 @@ def gemm_nt(
         _wide(avx512),
     )
     return out
+
+
+def bind_gemm(w: torch.Tensor, fallback) -> BoundGemm | None:
+    """:func:`gemm_nt` with ``w`` bound (:class:`BoundGemm`); None where the kernel does not
+    take ``w``."""
+    if not (w.device.type == "cpu" and weight_ok(w)):
+        return None
+    fn = _library().moeserve_gemm_nt_small
+    w_args = (w.data_ptr(), w.stride(0))
+    return BoundGemm(fn, tuple(w.shape), w_args, MAX_ROWS, int(wide()), pointers(w), fallback)
 
 
 def moe_usable(
@@ -246,6 +258,32 @@ def moe_experts(
     return y
 
 
+class BoundMoE:
+    """fp32 experts of a decode step (:class:`~moeserve.ops.cpu.bound.BoundExperts`): the
+    groups through :func:`moe_experts`, which takes them as lists."""
+
+    max_rows = MAX_ROWS
+    pointers = ()  # moe_experts reads the weights' addresses at each call
+
+    def __init__(self, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> None:
+        self.w13_EFD, self.w2_EDF = w13_EFD, w2_EDF
+        self.buffers: MoEBuffers | None = None
+
+    @staticmethod
+    def bind(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> BoundMoE | None:
+        ok = w13_EFD.dtype == w2_EDF.dtype == torch.float32 and available()
+        ok = ok and on_cpu_contiguous(w13_EFD, w2_EDF)
+        return BoundMoE(w13_EFD, w2_EDF) if ok else None
+
+    def prepare(self, buffers: MoEBuffers) -> None:
+        self.buffers = buffers
+
+    def run(self, G: int) -> torch.Tensor:
+        b = self.buffers
+        experts, _starts, counts = b.meta[:, :G].tolist()
+        return moe_experts(b.x_sorted, experts, counts, self.w13_EFD, self.w2_EDF, b.weight)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm over the last dim for few fp32 rows with the kernel; None when it does not apply
     (the caller then uses ``F.rms_norm``, the reference)."""
@@ -262,6 +300,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return y.view(x.shape)
 
 
+class BoundRMSNorm:
+    """:func:`rms_norm` for few fp32 rows with the weight's pointer derived once; None from
+    :meth:`__call__` where the kernel does not apply (the caller then runs ``F.rms_norm``,
+    the reference)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        self.weight, self.ptr, self.eps = weight, weight.data_ptr(), eps
+        self.fn = _library().moeserve_rms_norm
+
+    @staticmethod
+    def bind(weight: torch.Tensor, eps: float) -> BoundRMSNorm | None:
+        ok = (
+            weight.dtype == torch.float32
+            and weight.device.type == "cpu"
+            and weight.is_contiguous()
+            and available()
+        )
+        return BoundRMSNorm(weight, eps) if ok else None
+
+    def fresh(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is still the bound tensor, at the same address."""
+        return weight is self.weight and weight.data_ptr() == self.ptr
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """RMSNorm of ``x [M, D]`` (unit-stride rows; a column slice is fine) into ``out``
+        (``[M, D]``) when given; None for rows the kernel does not take."""
+        if not few_rows(x):
+            return None
+        M, D = x.shape
+        if out is None:
+            out = torch.empty(M, D, dtype=torch.float32)
+        self.fn(M, D, x.data_ptr(), x.stride(0), self.ptr, self.eps, out.data_ptr(), out.stride(0))
+        return out
+
+
 def route_grouped_sigmoid(
     logits_TE: torch.Tensor,
     bias_E: torch.Tensor | None,
@@ -274,7 +347,7 @@ def route_grouped_sigmoid(
     extra_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """DeepSeek-V3 routing of few rows in C; None when it does not apply (the caller then runs
-    ``layers/moe.py: route_grouped_sigmoid``, the reference). ``counts_E`` (int64, contiguous)
+    ``ops/routing.py: route_grouped_sigmoid``, the reference). ``counts_E`` (int64, contiguous)
     gains one per routed choice; with ``extra_id`` every row ends with that id at weight 1."""
     T, E = logits_TE.shape
     if not (
@@ -351,3 +424,12 @@ def head_gemm_nt(
         _wide(avx512),
     )
     return out_HMN
+
+
+def bind_head_gemm(w_HNK: torch.Tensor) -> BoundHeadGemm | None:
+    """:func:`head_gemm_nt` with its fp32 weight bound; None where the kernel does not take
+    it."""
+    ok = w_HNK.dtype == torch.float32 and w_HNK.device.type == "cpu" and w_HNK.is_contiguous()
+    if not (ok and available()):
+        return None
+    return BoundHeadGemm(_library().moeserve_head_gemm_nt_small, w_HNK, int(wide()))

@@ -13,12 +13,27 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moeserve.layers.rotary import apply_rope
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.build import F32, I64, INT, PTR
 
 _SOURCE = Path(__file__).with_name("rope.c")
 MAX_HALF = 512  # in rope.c
+
+
+def apply_rope(
+    x: torch.Tensor, cos_TX: torch.Tensor, sin_TX: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    """RoPE of the last dim of ``x [T, ..., R]`` with the cos/sin rows ``[T, R/2]`` of its
+    positions; interleaved pairs come out de-interleaved (the C kernel of
+    ``ops/cpu/rope.c`` does the same arithmetic)."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos_TX.shape[-1],)
+    cos, sin = cos_TX.view(shape), sin_TX.view(shape)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 @lru_cache(maxsize=1)

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.layers.moe import moe_grouped, moe_reference
 from moeserve.ops.cpu import amx
+from moeserve.ops.moe import moe_grouped, moe_reference
 
 pytestmark = pytest.mark.skipif(not amx.available(), reason="no AMX here: the references run")
 

@@ -22,7 +22,7 @@ def test_bound_linear_equals_linear(M, int8):
     x = torch.randn(M, 40, generator=g)
     bound = BoundLinear(w)
     if kernels.available():
-        assert bound.fn is not None and bound.pointers
+        assert bound.kernel is not None and bound.pointers
     want = linear(x, w)
     assert torch.equal(bound(x), want)  # 200 rows: beyond the kernels, through linear
     out = torch.full((M, 2 * 48), float("nan"))[:, :48]  # a strided destination

@@ -62,7 +62,7 @@ def test_dispatch_falls_back_where_the_kernel_does_not_apply():
 @pytest.mark.parametrize("T,D,Fd", [(1, 40, 24), (5, 40, 24), (30, 40, 24), (100, 37, 21)])
 def test_moe_kernel_matches_reference(T, D, Fd, avx512):
     """Groups of 1 to ~35 rows (past a 12-row block); D odd and F odd in the last case."""
-    from moeserve.layers.moe import moe_grouped, moe_reference
+    from moeserve.ops.moe import moe_grouped, moe_reference
 
     g = torch.Generator().manual_seed(T)
     E, K = 8, 2
@@ -136,7 +136,7 @@ def test_moe_kernel_splits_groups_past_max_rows(avx512, monkeypatch):
     """Prefill: the folded shared-expert slot takes every token; its rows are split into
     groups of at most MAX_ROWS and the one-call kernel still applies (with MKL_MIN_ROWS out of
     the way; the int8 kernel always splits)."""
-    from moeserve.layers.moe import experts_sorted
+    from moeserve.ops.moe import experts_sorted
 
     monkeypatch.setattr(kernels, "MKL_MIN_ROWS", None)
     monkeypatch.setattr(kernels, "MKL_MIN_ROWS_WIDE", None)
@@ -159,7 +159,7 @@ def test_moe_kernel_splits_groups_past_max_rows(avx512, monkeypatch):
 
 @pytest.mark.parametrize("n_group,topk_group,norm", [(8, 4, True), (1, 1, False), (4, 4, True)])
 def test_routing_kernel_matches_reference(n_group, topk_group, norm):
-    from moeserve.layers.moe import route_grouped_sigmoid
+    from moeserve.ops.routing import route_grouped_sigmoid
 
     g = torch.Generator().manual_seed(n_group)
     logits, bias = torch.randn(16, 64, generator=g), torch.randn(64, generator=g) * 0.1
@@ -200,7 +200,7 @@ def test_head_gemm_matches_bmm(M, K, avx512):
 
 
 def test_routing_kernel_counts_and_appends_the_shared_slot():
-    from moeserve.layers.moe import route_grouped_sigmoid
+    from moeserve.ops.routing import route_grouped_sigmoid
 
     g = torch.Generator().manual_seed(5)
     logits, bias = torch.randn(9, 64, generator=g), torch.randn(64, generator=g) * 0.1

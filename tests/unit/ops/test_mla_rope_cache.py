@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.layers.rotary import RotaryEmbedding, apply_rope
+from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import RopeConfig
 from moeserve.ops.cpu import rope
+from moeserve.ops.cpu.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(rope._library() is None, reason="no C kernels here")
 

@@ -13,6 +13,7 @@ import torch
 from moeserve import LLM, SamplingParams
 from moeserve.config import EngineConfig
 from moeserve.models.loader import load_model
+from moeserve.ops import formats
 from moeserve.ops.cpu import amx
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 from tests.helpers import max_logprob_gap
@@ -73,7 +74,7 @@ def test_amx_engine_close_to_the_oracle(checkpoints, kind):
 
 
 def test_what_is_converted_and_what_stays(checkpoints):
-    model, _, _ = load_model(checkpoints["deepseek_v3"], torch.float32, quantization="bf16")
+    model, _, _ = load_model(checkpoints["deepseek_v3"], torch.float32, weight_format="bf16")
     layer = model.layers[1]
     attn, mlp = layer.self_attn, layer.mlp
     for w in (attn.q_b_proj.weight, attn.kv_b_proj.weight, attn.o_proj.weight):
@@ -87,7 +88,10 @@ def test_what_is_converted_and_what_stays(checkpoints):
 
 def test_config_keeps_fp32_activations():
     cfg = EngineConfig(model="m", quantization="bf16", device="cpu")
-    assert cfg.weight_format == "bf16" and cfg.torch_dtype == torch.float32
+    assert formats.resolve(cfg.quantization, cfg.dtype, cfg.torch_device) == (
+        "bf16",
+        torch.float32,
+    )
     with pytest.raises(ValueError, match="bf16"):
         EngineConfig(model="m", quantization="bf8")
 
@@ -97,29 +101,32 @@ def test_auto_dtype_picks_bf16_weights_where_amx_runs(monkeypatch, amx_here):
     """``dtype="auto"`` on a CPU with AMX: bf16 weights, fp32 activations; without AMX the
     dtype alone decides (bf16 throughout on a CPU with fast bf16); an explicit dtype or
     quantization is kept."""
-    import moeserve.config as config
+    import moeserve.platform as platform
+
+    def resolve(cfg: EngineConfig):
+        return formats.resolve(cfg.quantization, cfg.dtype, cfg.torch_device)
 
     monkeypatch.setattr(amx, "available", lambda: amx_here)
-    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: True)
     auto = EngineConfig(model="m", device="cpu")
     if amx_here:
-        assert (auto.weight_format, auto.torch_dtype) == ("bf16", torch.float32)
+        assert resolve(auto) == ("bf16", torch.float32)
     else:
-        assert (auto.weight_format, auto.torch_dtype) == (None, torch.bfloat16)
+        assert resolve(auto) == (None, torch.bfloat16)
     explicit = EngineConfig(model="m", device="cpu", dtype="float32")
-    assert (explicit.weight_format, explicit.torch_dtype) == (None, torch.float32)
+    assert resolve(explicit) == (None, torch.float32)
     int8 = EngineConfig(model="m", device="cpu", quantization="int8")
-    assert (int8.weight_format, int8.torch_dtype) == ("int8", torch.float32)
-    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)  # AVX2 only: fp32
-    assert (auto.weight_format, auto.torch_dtype) == (None, torch.float32)
+    assert resolve(int8) == ("int8", torch.float32)
+    monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: False)  # AVX2 only: fp32
+    assert resolve(auto) == (None, torch.float32)
 
 
 @pytest.mark.skipif(not amx.available(), reason="no AMX here")
 def test_decode_calls_bind_and_match_the_torch_path(checkpoints, monkeypatch):
     """Decode steps run as the prebound kernel calls (MLA and MoE) on bf16 weights, and agree
     with the layers' torch paths, which run the same kernels one op at a time."""
-    from moeserve.layers.mla import MLADecodeCalls
-    from moeserve.layers.moe_block import MoEDecodeCalls
+    from moeserve.ops.cpu.mla_decode import MLADecodeCalls
+    from moeserve.ops.cpu.moe_decode import MoEDecodeCalls
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     llm = LLM(model=str(checkpoints["deepseek_amx"]), quantization="bf16", **ENGINE)
@@ -127,8 +134,8 @@ def test_decode_calls_bind_and_match_the_torch_path(checkpoints, monkeypatch):
     layer = llm.engine.model.layers[1]
     assert isinstance(layer.self_attn._decode_calls, MLADecodeCalls)
     assert isinstance(layer.mlp._decode_calls, MoEDecodeCalls)
-    monkeypatch.setattr(MLADecodeCalls, "bind", staticmethod(lambda attn: False))
-    monkeypatch.setattr(MoEDecodeCalls, "bind", staticmethod(lambda block: False))
+    monkeypatch.setattr(MLADecodeCalls, "bind", staticmethod(lambda *a: None))
+    monkeypatch.setattr(MoEDecodeCalls, "bind", staticmethod(lambda *a: None))
     torch_path = LLM(model=str(checkpoints["deepseek_amx"]), quantization="bf16", **ENGINE)
     want = torch_path.generate(PROMPTS, params)
     for a, b in zip(bound, want, strict=True):

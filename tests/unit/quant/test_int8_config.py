@@ -7,6 +7,7 @@ import torch
 
 from moeserve.cli import build_parser, engine_kwargs
 from moeserve.config import EngineConfig
+from moeserve.ops import formats
 
 
 def test_engine_config_accepts_and_normalizes():
@@ -14,9 +15,10 @@ def test_engine_config_accepts_and_normalizes():
     assert EngineConfig(model="m", quantization="none").quantization is None
     cfg = EngineConfig(model="m", quantization="int8", device="cpu")
     assert cfg.quantization == "int8"
-    assert cfg.torch_dtype == torch.float32  # auto: the int8 kernels take fp32 activations
+    # auto: the int8 kernels take fp32 activations
+    assert formats.resolve("int8", cfg.dtype, cfg.torch_device) == ("int8", torch.float32)
     cfg16 = EngineConfig(model="m", quantization="int8", device="cpu", dtype="bfloat16")
-    assert cfg16.torch_dtype == torch.bfloat16  # an explicit dtype is kept
+    assert formats.resolve("int8", cfg16.dtype, cfg16.torch_device)[1] == torch.bfloat16
 
 
 def test_unknown_quantization_names_the_choices():

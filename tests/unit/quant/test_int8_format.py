@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from moeserve.layers.linear import copy_into
-from moeserve.quant.int8 import Int8Tensor, Int8Weight, as_int8, dense, quantize_rows
+from moeserve.ops import formats
+from moeserve.quant.int8 import Int8Tensor, Int8Weight, as_int8, quantize_rows
 
 
 def test_rows_round_to_nearest_within_half_a_step():
@@ -51,7 +52,8 @@ def test_weight_views_quantize_the_rows_they_are_given():
     assert (w.q[0] == 0).all() and (w.scale[0] == 0).all()
     torch.testing.assert_close(w.dequantize()[1], torch.cat((a, b)), atol=0.05, rtol=0.02)
     assert as_int8(w).q is w.q and as_int8(torch.ones(1)) is None
-    assert torch.equal(dense(w), w.dequantize()) and dense(a) is a
+    assert torch.equal(formats.of(w).dense(w, torch.float32), w.dequantize())
+    assert formats.of(a).dense(a, torch.float32) is a
 
 
 def test_copy_into_pads_like_a_dense_parameter():

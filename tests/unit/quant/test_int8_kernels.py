@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.layers.moe import experts_sorted, moe_grouped, moe_reference
 from moeserve.ops.cpu import int8
 from moeserve.ops.linear import linear, linear_into
-from moeserve.ops.linear_int8 import linear_int8
+from moeserve.ops.linear import linear as linear_int8
+from moeserve.ops.moe import experts_sorted, moe_grouped, moe_reference
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, quantize_rows
 
 needs_kernels = pytest.mark.skipif(

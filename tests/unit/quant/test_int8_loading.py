@@ -71,7 +71,7 @@ def test_other_paths_match_too(checkpoints, tmp_path, monkeypatch, path):
 
 
 def test_what_is_quantized_and_what_stays(checkpoints):
-    model, _, _ = load_model(checkpoints["deepseek_v3"], torch.float32, quantization="int8")
+    model, _, _ = load_model(checkpoints["deepseek_v3"], torch.float32, weight_format="int8")
     layer = model.layers[1]
     assert isinstance(layer.self_attn.q_b_proj.weight, Int8Weight)
     assert isinstance(layer.self_attn.kv_b_proj.weight, Int8Weight)
@@ -134,7 +134,7 @@ def test_rows_are_quantized_as_they_load(checkpoints, tmp_path, source):
         tensors = {k: v.to(getattr(torch, source)) for k, v in raw.items()}
         save_file(tensors, str(path / "model.safetensors"))
         src = path
-    model, _, _ = load_model(src, torch.float32, quantization="int8", progress=False)
+    model, _, _ = load_model(src, torch.float32, weight_format="int8", progress=False)
     prefix = "model.layers.1.mlp"
     experts: FusedExperts = model.layers[1].mlp.experts
     up = tensors[f"{prefix}.experts.3.up_proj.weight"].float()

@@ -22,10 +22,11 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import EngineConfig
-from moeserve.layers.moe import experts_sorted
 from moeserve.models.loader import load_model
+from moeserve.ops import formats
 from moeserve.ops.cpu import amx, amx_int8
 from moeserve.ops.linear import BoundLinear, linear, linear_into
+from moeserve.ops.moe import experts_sorted
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, quantize_rows
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 from tests.helpers import max_logprob_gap
@@ -71,7 +72,7 @@ def _generate(path: Path, params: SamplingParams = PARAMS, **kw):
 def w8a8_weight(*shape: int, seed: int) -> Int8Tensor:
     g = torch.Generator().manual_seed(seed)
     q, scale = quantize_rows(torch.randn(*shape, generator=g) / shape[-1] ** 0.5)
-    return Int8Tensor(q, scale, act_int8=True)
+    return Int8Tensor(q, scale, weight_format="w8a8_int8")
 
 
 @pytest.mark.parametrize("tiles", [True, False])
@@ -138,25 +139,33 @@ def test_close_to_the_int8_weight_oracle(checkpoints, kind):
 
 
 def test_what_is_converted_and_what_stays(checkpoints):
-    model, _, _ = load_model(checkpoints["deepseek_tiles"], torch.float32, quantization="w8a8_int8")
+    model, _, _ = load_model(
+        checkpoints["deepseek_tiles"], torch.float32, weight_format="w8a8_int8"
+    )
     layer = model.layers[1]
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.q_b_proj, attn.kv_b_proj, attn.o_proj, model.lm_head)
     for w in (m.weight for m in linears):
-        assert isinstance(w, Int8Weight) and w.act_int8 and w.data.act_int8
-    assert mlp.experts.w13_EFD.act_int8 and mlp.experts.w2_EDF[3].act_int8  # slices keep it
+        assert isinstance(w, Int8Weight) and formats.of(w).name == "w8a8_int8"
+        assert w.data.weight_format == "w8a8_int8"
+    experts = mlp.experts
+    assert formats.of(experts.w13_EFD) is formats.get("w8a8_int8")
+    assert formats.of(experts.w2_EDF[3]) is formats.get("w8a8_int8")  # slices keep it
     # the absorbed MLA products: bf16 on the AMX tiles, else the model dtype
     assert attn.w_uk_HCN.dtype == (torch.bfloat16 if amx.available() else torch.float32)
     assert mlp.gate.weight.dtype == torch.float32  # the router stays fp32
     assert model.embed_tokens.weight.dtype == torch.float32
-    int8, _, _ = load_model(checkpoints["deepseek_tiles"], torch.float32, quantization="int8")
-    assert not int8.layers[1].mlp.experts.w13_EFD.act_int8
+    int8, _, _ = load_model(checkpoints["deepseek_tiles"], torch.float32, weight_format="int8")
+    assert formats.of(int8.layers[1].mlp.experts.w13_EFD) is formats.get("int8")
     assert int8.layers[1].self_attn.w_uk_HCN.dtype == torch.float32
 
 
 def test_config_keeps_fp32_activations():
     cfg = EngineConfig(model="m", quantization="w8a8_int8", device="cpu")
-    assert cfg.weight_format == "w8a8_int8" and cfg.torch_dtype == torch.float32
+    assert formats.resolve(cfg.quantization, cfg.dtype, cfg.torch_device) == (
+        "w8a8_int8",
+        torch.float32,
+    )
     with pytest.raises(ValueError, match="w8a8_int8"):
         EngineConfig(model="m", quantization="w8a8")
 
@@ -165,8 +174,9 @@ def test_config_keeps_fp32_activations():
 def test_decode_calls_bind_and_match_the_torch_path(checkpoints, monkeypatch):
     """Decode steps run as the prebound kernel calls (MLA and MoE) and agree with the
     layers' torch paths, which run the same kernels one op at a time."""
-    from moeserve.layers.mla import MLADecodeCalls
-    from moeserve.layers.moe_block import MoEDecodeCalls
+    from moeserve.ops.cpu import amx_int8 as int8_amx
+    from moeserve.ops.cpu.mla_decode import MLADecodeCalls
+    from moeserve.ops.cpu.moe_decode import MoEDecodeCalls
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     path = str(checkpoints["deepseek_tiles"])
@@ -175,9 +185,9 @@ def test_decode_calls_bind_and_match_the_torch_path(checkpoints, monkeypatch):
     layer = llm.engine.model.layers[1]
     assert isinstance(layer.self_attn._decode_calls, MLADecodeCalls)
     assert isinstance(layer.mlp._decode_calls, MoEDecodeCalls)
-    assert layer.mlp._decode_calls.w8a8_fn is not None
-    monkeypatch.setattr(MLADecodeCalls, "bind", staticmethod(lambda attn: False))
-    monkeypatch.setattr(MoEDecodeCalls, "bind", staticmethod(lambda block: False))
+    assert isinstance(layer.mlp._decode_calls.experts, int8_amx.BoundMoE)
+    monkeypatch.setattr(MLADecodeCalls, "bind", staticmethod(lambda *a: None))
+    monkeypatch.setattr(MoEDecodeCalls, "bind", staticmethod(lambda *a: None))
     want = LLM(model=path, quantization="w8a8_int8", **ENGINE).generate(PROMPTS, params)
     for a, b in zip(bound, want, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

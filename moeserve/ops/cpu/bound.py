@@ -1,0 +1,150 @@
+"""Kernel calls with their weight-side arguments derived once, for decode steps.
+
+A decode step calls the same projections and expert layers with the same weights every step,
+a few rows at a time; deriving the weight's pointer, strides and ISA choice once leaves one
+ctypes call and the checks on the rows. :class:`BoundGemm` is that for the few-row GEMMs of
+every weight format (they share one argument list); the formats' ``bind_moe`` objects
+(:class:`BoundExperts`) do the same for the one-call MoE kernels over :class:`MoEBuffers`.
+
+A bound call keeps each tensor whose address it uses in ``pointers`` with that address, so its
+owner can see a moved weight (``p.data`` replaced, huge pages) and bind again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+Pointers = tuple[tuple[torch.Tensor, int], ...]
+
+
+def pointers(*tensors: torch.Tensor) -> Pointers:
+    """Each tensor with its current address."""
+    return tuple((t, t.data_ptr()) for t in tensors)
+
+
+def on_cpu_contiguous(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor lies contiguous on the CPU (what the bound MoE calls read)."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def few_rows(x: torch.Tensor, max_rows: int) -> bool:
+    """Whether ``x`` is what the row kernels take: ``[M, K]`` fp32 on the CPU,
+    0 < M <= ``max_rows``, unit-stride rows."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= max_rows
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.stride(1) == 1
+    )
+
+
+class BoundGemm:
+    """``x @ w.T`` for fp32 decode rows through ``fn(M, N, K, x, ldx, *w_args, out, ldo,
+    wide)``, the argument list every few-row GEMM kernel here shares (a nonzero return: its
+    workspace could not be allocated). Rows the kernel does not take (more than
+    ``max_rows``, another dtype or layout) go to ``fallback(x)``, the format's reference
+    dispatch."""
+
+    def __init__(
+        self,
+        fn,
+        shape: tuple[int, int],
+        w_args: tuple,
+        max_rows: int,
+        wide: int,
+        bound: Pointers,
+        fallback: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.fn, (self.N, self.K) = fn, shape
+        self.w_args, self.max_rows, self.wide = w_args, max_rows, wide
+        self.pointers = bound
+        self.fallback = fallback
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K]`` -> ``[M, N]`` (into ``out``, fp32 unit-stride rows, when given)."""
+        if not few_rows(x, self.max_rows):
+            y = self.fallback(x)
+            return y if out is None else out.copy_(y)
+        M = x.shape[0]
+        if out is None:
+            out = torch.empty(M, self.N, dtype=torch.float32)
+        failed = self.fn(
+            M, self.N, self.K, x.data_ptr(), x.stride(0), *self.w_args,
+            out.data_ptr(), out.stride(0), self.wide,
+        )  # fmt: skip
+        if failed:  # the AMX calls allocate their packed rows (the others return nothing)
+            raise MemoryError(f"projection of {M} rows: out of memory for its workspace")
+        return out
+
+
+@dataclass(eq=False)
+class MoEBuffers:
+    """A decode step's rows sorted by expert (``moe_sort.c``), reused by every step with the
+    same row count: ``meta [3, R]`` (expert, first row, rows of each group), the source token
+    and routing weight of each row, the rows ``x_sorted [R, D]``, a hidden ``h [R, 2F]`` and
+    the weighted expert outputs ``y_sorted [R, D]``; ``num_slots`` expert slots."""
+
+    R: int
+    D: int
+    F: int
+    num_slots: int
+    meta: torch.Tensor
+    token: torch.Tensor
+    weight: torch.Tensor
+    x_sorted: torch.Tensor
+    h: torch.Tensor
+    y_sorted: torch.Tensor
+
+    @staticmethod
+    def empty(R: int, D: int, F: int, num_slots: int) -> MoEBuffers:
+        f32 = dict(dtype=torch.float32)
+        return MoEBuffers(
+            R, D, F, num_slots,
+            meta=torch.empty(3, R, dtype=torch.int64),
+            token=torch.empty(R, dtype=torch.int64),
+            weight=torch.empty(R, **f32),
+            x_sorted=torch.empty(R, D, **f32),
+            h=torch.empty(R, 2 * F, **f32),
+            y_sorted=torch.empty(R, D, **f32),
+        )  # fmt: skip
+
+    @property
+    def padded_rows(self) -> int:
+        """Rows once the AMX calls pad each expert's rows to 16: at most 15 more per expert."""
+        return self.R + 15 * min(self.R, self.num_slots)
+
+    def group_args(self) -> tuple:
+        """``(expert, first row, rows) pointers, D, F, x_sorted``: how the one-call MoE
+        kernels take the groups."""
+        m = self.meta
+        return (m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr(), self.D, self.F,
+                self.x_sorted.data_ptr())  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
+class BoundHeadGemm:
+    """``x[h] @ w[h].T`` for every head through ``fn(H, M, N, K, x, ldx_h, ldx_m, w, ldw_h,
+    ldw_n, out, ldo_h, ldo_m, wide)``, the argument list the per-head kernels share (a
+    nonzero return: a failed allocation), with the weight ``w [H, N, K]`` bound."""
+
+    fn: object
+    w: torch.Tensor
+    wide: int
+
+
+class BoundExperts(Protocol):
+    """A format's one-call MoE kernel with its weights bound: ``prepare(buffers)`` once per
+    row count, then ``run(G)`` computes the ``G`` groups of the sorted rows into (and
+    returns) the weighted outputs ``[R, D]``. At most ``max_rows`` token rows a step."""
+
+    max_rows: int
+    pointers: Pointers
+
+    def prepare(self, buffers: MoEBuffers) -> None: ...
+
+    def run(self, G: int) -> torch.Tensor: ...

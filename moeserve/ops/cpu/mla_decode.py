@@ -1,0 +1,191 @@
+"""One MLA layer's absorbed decode step as prebound kernel calls.
+
+Shape legend: T decode rows, H heads, C kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim,
+V v_head_dim, Q q_lora_rank (0 without a q LoRA), D model dim.
+
+Per step, seven ctypes calls and no torch ops besides the output's allocation::
+
+    qkv = x @ [q_a | kv_a]                      the bound projection (any weight format)
+    qn  = rms_norm(qkv[:, :Q]);  q = qn @ q_b   (q = x @ q_proj without a q LoRA)
+    rope(q_pe), [norm(c_kv) | rope(k_pe)] -> the latent cache        (rope.c)
+    q_lat[h] = q_nope[h] @ W_UK[h]^T            the bound per-head GEMM (fp32 or bf16 weights)
+    o_lat = paged attention over the latent cache                    (attention.c)
+    out[t, h] = o_lat[h, t] @ W_UV[h]^T;  y = out @ o_proj (+ all-reduce over tp)
+
+``layers/mla.py``'s torch path is the reference and runs where this does not apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.ops.cpu import attention as cpu_attention
+from moeserve.ops.cpu import kernels, rope
+from moeserve.ops.cpu.bound import BoundHeadGemm, Pointers, pointers
+
+
+@dataclass(frozen=True, eq=False)
+class MLADecodeWeights:
+    """What the absorbed decode of one layer reads, as tensors and constants: the bound
+    projections ``qkv_a`` (``[Q + C + R, D]``), ``q_b`` (``q_b_proj``, or ``q_proj`` when Q is
+    0) and ``o`` (callables ``(x, out)`` with ``kernel``, ``max_rows`` and ``pointers``), the
+    norms' weights, the rope tables, the bound absorbed weights ``uk`` (``W_UK [H, C, N]``)
+    and ``uv`` (``W_UV [H, V, C]``), the latent ``cache [slots, C + R]``, and ``reduce``
+    (``o_proj``'s all-reduce, or None)."""
+
+    H: int
+    C: int
+    R: int
+    N: int
+    V: int
+    Q: int
+    scale: float
+    qkv_a: object
+    q_b: object
+    o: object
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None
+    q_norm: torch.Tensor | None
+    q_norm_eps: float
+    kv_norm: torch.Tensor
+    kv_norm_eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleave: bool
+    uk: BoundHeadGemm | None
+    uv: BoundHeadGemm | None
+    cache: torch.Tensor | None
+    biased: bool  # qkv_a or o carries a bias (the calls add none)
+
+
+class MLADecodeCalls:
+    """The calls of the module docstring over ``w``; arguments derived when the number of
+    decodes changes. Rebound by the owner when :meth:`fresh` says the weights moved."""
+
+    def __init__(self, w: MLADecodeWeights) -> None:
+        self.w = w
+        self.cache = w.cache
+        self.max_rows = min(w.qkv_a.max_rows, w.q_b.max_rows, w.o.max_rows, kernels.MAX_ROWS)
+        self.norm_fn = kernels._library().moeserve_rms_norm
+        self.rope_fn = rope._library().moeserve_mla_rope_cache
+        self.attn_fn = cpu_attention._library().moeserve_paged_decode_attention
+        self.wide = int(kernels.wide())
+        norms = [w.kv_norm] + ([w.q_norm] if w.Q else [])
+        self.pointers: Pointers = pointers(*norms, w.cos, w.sin, w.uk.w, w.uv.w, w.cache)
+        self.pointers += w.qkv_a.pointers + w.q_b.pointers + w.o.pointers
+        self.T = 0  # the row count the buffers and argument tuples below are for
+
+    @staticmethod
+    def bind(w: MLADecodeWeights) -> MLADecodeCalls | None:
+        """The calls for ``w``, or None where they do not apply: no kernels here, a projection
+        or absorbed weight without a bound kernel, norms, rope tables or cache not fp32
+        contiguous on the CPU, biases, a layout the kernels do not take."""
+        norms = [w.kv_norm] + ([w.q_norm] if w.Q else [])
+        fp32 = [*norms, w.cos, w.sin, w.cache]
+        ok = (
+            w.cache is not None
+            and w.uk is not None
+            and w.uv is not None
+            and all(
+                t is not None
+                and t.dtype == torch.float32
+                and t.device.type == "cpu"
+                and t.is_contiguous()
+                for t in fp32
+            )
+            and w.cache.dim() == 2
+            and w.cache.shape[1] == w.C + w.R
+            and not w.biased
+            and w.H <= cpu_attention.MAX_HEADS_PER_KV
+            and w.R <= 2 * rope.MAX_HALF
+            and w.cos.shape[1] * 2 == w.R
+            and kernels.available()
+            and cpu_attention.available()
+            and rope._library() is not None
+            and all(p.kernel is not None for p in (w.qkv_a, w.q_b, w.o))
+        )
+        return MLADecodeCalls(w) if ok else None
+
+    def fresh(self, cache: torch.Tensor | None, uk: torch.Tensor, uv: torch.Tensor) -> bool:
+        """Whether the layer still has this cache and these absorbed weights, and every bound
+        tensor is at the same address (loading or moving weights into huge pages replaces
+        them)."""
+        w = self.w
+        if not (cache is self.cache and uk is w.uk.w and uv is w.uv.w):
+            return False
+        return all(t.data_ptr() == p for t, p in self.pointers)
+
+    def _prepare(self, T: int) -> None:
+        """Buffers for T decode rows, reused by every step of that size, and the argument
+        tuples that point into them."""
+        w = self.w
+        H, C, R, N, V, Q = w.H, w.C, w.R, w.N, w.V, w.Q
+        f32 = dict(dtype=torch.float32)
+        self.qkv = torch.empty(T, Q + C + R, **f32)  # [q_a | c_kv | k_pe] before norms
+        self.qn = torch.empty(T, Q, **f32) if Q else None  # normed q_a
+        self.q = torch.empty(T, H * (N + R), **f32)  # per head [q_nope | q_pe]
+        self.q_lat = torch.empty(H, T, C, **f32)
+        self.o_lat = torch.empty(H, T, C, **f32)
+        self.out = torch.empty(T, H * V, **f32)  # per head [V], o_proj's input
+        qkv, q, K = self.qkv.data_ptr(), self.q.data_ptr(), N + R
+        ld = Q + C + R
+        if Q:
+            self.qnorm_args = (T, Q, qkv, ld, w.q_norm.data_ptr(), w.q_norm_eps)
+            self.qnorm_args += (self.qn.data_ptr(), Q)
+        # rope: (T, H, N, R, C, q, ldq, kv, ldkv, norm_w, eps, cos, sin) + (pos, il, cache, slots)
+        self.rope_head = (T, H, N, R, C, q, H * K, qkv + 4 * Q, ld, w.kv_norm.data_ptr())
+        self.rope_head += (w.kv_norm_eps, w.cos.data_ptr(), w.sin.data_ptr())
+        self.rope_mid = (int(w.interleave), self.cache.data_ptr())
+        # q_lat[h] = q_nope[h] @ W_UK[h]^T: x rows [h, t] at q + h*K + t*H*K
+        self.uk_args = (H, T, C, N, q, K, H * K, w.uk.w.data_ptr(), C * N, N)
+        self.uk_args += (self.q_lat.data_ptr(), T * C, C, self.wide)
+        # attention: (B, G, Hg, Dk, Dv, D1, q1 [b, h] at b*C + h*T*C, q2 = q_pe, scale, cache)
+        self.attn_head = (T, 1, H, C + R, C, C, self.q_lat.data_ptr(), C, T * C)
+        self.attn_head += (q + 4 * N, H * K, K, w.scale, self.cache.data_ptr(), C + R, 0, 0, 0, 0)
+        self.attn_out = (self.o_lat.data_ptr(), C, T * C, 0)  # 0: the cache is fp32
+        # out[t, h] = o_lat[h, t] @ W_UV[h]^T
+        self.uv_args = (H, T, V, C, self.o_lat.data_ptr(), T * C, C, w.uv.w.data_ptr(), V * C, C)
+        self.uv_args += (self.out.data_ptr(), V, H * V, self.wide)
+        self.T = T
+
+    def __call__(
+        self,
+        positions_T: torch.Tensor,
+        x_TD: torch.Tensor,
+        slots_T: torch.Tensor,
+        step: tuple | None,
+    ) -> torch.Tensor | None:
+        """``o_proj(attention)`` of T decode rows ``x_TD`` (each its sequence's new token at
+        ``positions_T``, its latent written to cache slot ``slots_T``), over the paged context
+        ``step`` (block table, its row stride, lengths, block size: the attention metadata's
+        kernel arguments); None, having done nothing, where the kernels do not take these
+        rows."""
+        T = x_TD.shape[0]
+        if not (0 < T <= self.max_rows) or step is None:
+            return None
+        pos = positions_T
+        if not (
+            pos.dtype == slots_T.dtype == torch.int64
+            and pos.is_contiguous()
+            and slots_T.is_contiguous()
+        ):
+            return None
+        if T != self.T:
+            self._prepare(T)
+        w = self.w
+        w.qkv_a(x_TD, self.qkv)
+        if self.qn is not None:
+            self.norm_fn(*self.qnorm_args)
+            w.q_b(self.qn, self.q)
+        else:
+            w.q_b(x_TD, self.q)
+        self.rope_fn(*self.rope_head, pos.data_ptr(), *self.rope_mid, slots_T.data_ptr())
+        failed = w.uk.fn(*self.uk_args)  # the AMX call reports a failed allocation
+        if failed or self.attn_fn(*self.attn_head, *step, *self.attn_out) != 0:
+            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
+        if w.uv.fn(*self.uv_args):
+            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
+        y_TD = w.o(self.out)
+        return y_TD if w.reduce is None else w.reduce(y_TD)

@@ -1,0 +1,111 @@
+"""Weight-only int8: int8 rows with one fp32 scale each (``quant/int8.py``), fp32 activations.
+
+    few rows (<= int8.MAX_ROWS), CPU   the kernel of ops/cpu/int8.c (AVX2 or AVX-512):
+                                       streams q once
+    any rows, AVX-512 CPU              the same call, from 24 rows the packed panels of
+                                       ops/cpu/moe_packed.h: each 64-row panel converted into
+                                       an fp32 buffer once, outer-product tiles over it
+                                       (1.2-1.9x the blocks below at 512 rows)
+    more rows (prefill), AVX2 CPU      blocks of weight rows dequantized into one reused fp32
+                                       buffer that stays in cache, each block an MKL GEMM
+                                       (as fast as dequantizing all first, without the
+                                       full-size buffer: benchmarks/int8_gemm.py)
+    anywhere else (CUDA, no kernels)   the reference, ops/cpu/int8.py: linear_int8_ref
+
+Activations of another dtype (bf16) are computed in fp32 and cast back. The routed experts of
+a layer run in one call of ``moeserve_int8_moe_small``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.ops.cpu import int8 as kernels
+from moeserve.ops.formats.base import WeightFormat
+from moeserve.quant.int8 import Int8Tensor, Int8Weight, as_int8
+
+_BLOCK_BYTES = 1 << 20  # fp32 bytes of dequantized weight per block: stays in L2
+
+
+class Int8Format(WeightFormat):
+    activation_dtype = torch.float32
+    bytes_per_weight = 1.0
+    scale_bytes_per_row = 4.0
+    rounds_activations = False  # w8a8_int8: every GEMM rounds its input rows to int8
+
+    def kernels_available(self) -> bool:
+        return kernels.available()
+
+    def make_weight(self, p):
+        return Int8Weight(tuple(p.shape), device=p.device, weight_format=self.name)
+
+    def dense(self, w, dtype):
+        return as_int8(w).dequantize(dtype)
+
+    def take_rows(self, w, ids_H):
+        q = as_int8(w)
+        return Int8Tensor(q.q[ids_H].contiguous(), q.scale[ids_H].contiguous(), self.name)
+
+    def linear(self, x, w, bias=None):
+        w = as_int8(w)
+        if bias is None and not self.rounds_activations and kernels.usable(x, w):  # decode
+            return kernels.gemm_nt(x, w)
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        y = self.matmul(x2 if x2.dtype == torch.float32 else x2.float(), w, None)
+        y = y.view(*x.shape[:-1], w.shape[0])
+        if bias is not None:
+            y = y.add_(bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def linear_into(self, x, w, out):
+        w = as_int8(w)
+        if out.dtype == torch.float32 and out.stride(-1) == 1 and x.dtype == torch.float32:
+            return self.matmul(x, w, out)
+        out.copy_(self.linear(x, w))
+        return out
+
+    def matmul(self, x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """fp32 ``x [M, K]`` times int8 ``w [N, K]``; into ``out`` (unit-stride rows) if
+        given."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return _int8_matmul(x, w, out)
+
+    def moe_experts(self, x_RD, experts, counts, w13_EFD, w2_EDF, weight_R):
+        q13, q2 = as_int8(w13_EFD), as_int8(w2_EDF)
+        if kernels.moe_usable(x_RD, counts, q13, q2):
+            return kernels.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
+        return None
+
+    def bind_linear(self, w, fallback):
+        return kernels.bind_gemm(as_int8(w), fallback)
+
+    def bind_moe(self, w13_EFD, w2_EDF):
+        return kernels.BoundMoE.bind(as_int8(w13_EFD), as_int8(w2_EDF))
+
+
+def _int8_matmul(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The weight-only paths of :meth:`Int8Format.matmul` (``x`` with unit-stride rows)."""
+    if kernels.usable(x, w):
+        return kernels.gemm_nt(x, w, out=out)
+    M, N = x.shape[0], w.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    if x.device.type == "cpu" and M > 0 and kernels.available() and w.q.stride(1) == 1:
+        return _blocked(x, w, out)
+    return out.copy_(kernels.linear_int8_ref(x, w.q, w.scale))
+
+
+def _blocked(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor) -> torch.Tensor:
+    N, K = w.shape
+    nb = max(16, min(N, _BLOCK_BYTES // (4 * max(K, 1))))
+    buf = torch.empty(nb, K, dtype=torch.float32)
+    for n0 in range(0, N, nb):
+        n1 = min(N, n0 + nb)
+        b = kernels.dequantize_into(w[n0:n1], buf[: n1 - n0])
+        out[:, n0:n1] = x @ b.t()
+    return out
+
+
+FORMAT = Int8Format("int8")

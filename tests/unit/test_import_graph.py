@@ -1,0 +1,135 @@
+"""The package's import graph: no cycles, a ground floor that imports nothing above it, and
+only ``ops/cpu/`` touching the C libraries.
+
+The graph is read with ``ast`` from the sources (every ``import`` statement, also those inside
+functions and ``TYPE_CHECKING`` blocks: a lazy import still ties two modules together), so it
+needs no import of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "moeserve"
+
+# modules every other may import: they import only each other (and no moeserve module above)
+GROUND_FLOOR = {
+    "moeserve.platform",
+    "moeserve.config",
+    "moeserve.core",
+    "moeserve.distributed.parallel_dims",
+    "moeserve.ops.formats",  # the registry: names, the formats loaded lazily by name
+    "moeserve.ops.formats.base",  # the contract and the plain-torch body
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _target(name: str, mods: dict[str, Path]) -> str | None:
+    """The module ``name`` refers to: itself, or the nearest package above it that exists."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the moeserve modules it imports}``."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                # `from pkg import mod` names a module; `from mod import name` the module
+                names = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names
+                ]
+            for name in names:
+                if name.startswith("moeserve"):
+                    target = _target(name, mods)
+                    if target is not None and target != mod:
+                        graph[mod].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_ground_floor_imports_nothing_above_it():
+    graph = import_graph()
+    assert GROUND_FLOOR <= set(graph), GROUND_FLOOR - set(graph)
+    upward = {m: sorted(graph[m] - GROUND_FLOOR) for m in GROUND_FLOOR if graph[m] - GROUND_FLOOR}
+    assert upward == {}
+
+
+def test_only_ops_cpu_touches_the_c_libraries():
+    """No module outside ``ops/cpu/`` looks up ``_library()`` symbols or uses ctypes."""
+    offenders = []
+    for mod, path in _modules().items():
+        if mod.startswith("moeserve.ops.cpu"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "_library":
+                offenders.append(f"{mod}:{node.lineno} _library")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if any(n == "ctypes" or n.startswith("ctypes.") for n in names):
+                    offenders.append(f"{mod}:{node.lineno} ctypes")
+    assert offenders == []
