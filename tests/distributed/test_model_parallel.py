@@ -126,6 +126,33 @@ def test_layout_matches_one_process(checkpoints, reference, kind, layout):
     assert all(p.returncode == 0 for p in llm.engine.workers.procs.values())
 
 
+@pytest.mark.parametrize("layout", ["ep2-dp2", pytest.param("ep2-tp2", marks=pytest.mark.slow)])
+def test_two_batch_overlap_matches_without_it(checkpoints, reference, layout, monkeypatch):
+    """``two_batch_overlap`` splits each MoE layer's rows on a rank in two halves around the
+    all-to-alls: the same greedy tokens as without it and as one process. Rank 0 runs in this
+    process, so a spy on its split counts how often both halves held rows."""
+    from moeserve.distributed.ep import moe_step
+
+    rows: list[int] = []
+    split = moe_step._two_batch
+
+    def spy(x_TD, *args):
+        rows.append(x_TD.shape[0])
+        return split(x_TD, *args)
+
+    monkeypatch.setattr(moe_step, "_two_batch", spy)
+    path, want = checkpoints["deepseek_v3"], reference["deepseek_v3"]
+    plain, _ = run_layout(path, LAYOUTS[layout], prompts())
+    assert not rows  # the plain path never splits
+    tbo, llm = run_layout(path, dict(LAYOUTS[layout], two_batch_overlap=True), prompts())
+    assert [o.outputs[0].token_ids for o in tbo] == [o.outputs[0].token_ids for o in plain]
+    assert_same(want, tbo)
+    # both micro-batches held rows in most MoE layer calls (prefill chunks and decodes of 2-3
+    # sequences), the second one was empty only where a rank had one row or none
+    assert sum(t >= 2 for t in rows) > len(rows) // 2
+    assert all(p.returncode == 0 for p in llm.engine.workers.procs.values())
+
+
 def test_all_requests_on_one_replica(checkpoints, reference):
     """One request: the other DP replica idles through every step (empty batches) without
     hanging the expert all-to-alls."""

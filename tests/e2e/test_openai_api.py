@@ -165,7 +165,11 @@ def test_completion_logprobs_with_echo(client, model):
 
 
 def test_fifty_concurrent_streams(aclient, model):
-    async def one(i: int) -> tuple[int, int, int]:
+    """50 sampled streams at once, each with its own seed, give what the same request gives
+    alone: a seeded sequence draws only from its own generator (``layers/sampler.py``),
+    whatever shares its batch. Every tenth request is run again alone (about 1.5 s each)."""
+
+    async def one(i: int) -> tuple[int, int, int, str]:
         stream = await aclient.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": f"request {i}"}],
@@ -176,19 +180,25 @@ def test_fifty_concurrent_streams(aclient, model):
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        chunks, usage = 0, None
+        chunks, usage, text = 0, None, ""
         async for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage
             chunks += sum(1 for c in chunk.choices if c.delta.content)
-        return 10 + i % 7, usage.completion_tokens, chunks
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        return 10 + i % 7, usage.completion_tokens, chunks, text
 
     async def all_of_them():
-        return await asyncio.gather(*(one(i) for i in range(50)))
+        together = await asyncio.gather(*(one(i) for i in range(50)))
+        alone = {i: await one(i) for i in range(0, 50, 10)}
+        return together, alone
 
-    results = asyncio.run(all_of_them())
-    assert all(want == got for want, got, _ in results)
-    assert all(0 < chunks <= want for want, _, chunks in results)
+    together, alone = asyncio.run(all_of_them())
+    assert all(want == got for want, got, _, _ in together)
+    assert all(0 < chunks <= want for want, _, chunks, _ in together)
+    assert len({text for *_, text in together}) == 50  # the seeds give 50 different streams
+    for i, (_, _, _, text) in alone.items():
+        assert together[i][3] == text, f"request {i} alone differs from it among 50"
 
 
 def test_models_version_health_tokenize(client, http, model, server):

@@ -53,11 +53,19 @@ def test_generate_chat_and_demo_model_command(tmp_path):
         "Hi",
         "--chat",
         "--max-tokens",
-        "5",
+        "8",
+        "--ignore-eos",
         "-q",
         cache=tmp_path,
     )
     assert r.returncode == 0, r.stderr
+    # the prompt went through the chat template: greedy output equals LLM.chat's, which
+    # differs from the bare prompt's
+    llm = LLM(model=str(out), progress=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    chat = llm.chat([{"role": "user", "content": "Hi"}], params)[0].outputs[0].text
+    assert chat != llm.generate("Hi", params)[0].outputs[0].text
+    assert r.stdout == chat + "\n"
 
 
 def test_bad_model_dir_is_a_one_line_error(tmp_path):
