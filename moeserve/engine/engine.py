@@ -47,7 +47,7 @@ def resident_bytes() -> int:
 
 class LLMEngine:
     """One DP replica's engine. On one process it is the whole engine; in an engine group
-    (``moeserve/distributed/engine_group.py``) every rank runs one, in step with the others."""
+    (``moeserve/launch/engine_group.py``) every rank runs one, in step with the others."""
 
     def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
         self.config = config

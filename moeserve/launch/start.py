@@ -31,23 +31,23 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import EngineConfig
-from moeserve.distributed.engine_group import EngineGroup, serve_steps
 from moeserve.distributed.groups import ParallelGroups
-from moeserve.distributed.launch_env import (
-    LaunchSpec,
-    check_world_size,
-    detect_external,
-    plan_local_ranks,
-)
-from moeserve.distributed.netif import interface_towards
-from moeserve.distributed.numa import (
+from moeserve.engine.engine import LLMEngine
+from moeserve.launch.engine_group import EngineGroup, serve_steps
+from moeserve.launch.netif import interface_towards
+from moeserve.launch.numa import (
     RankBinding,
     apply_binding,
     describe,
     plan_binding,
     read_topology,
 )
-from moeserve.engine.engine import LLMEngine
+from moeserve.launch.spec import (
+    LaunchSpec,
+    check_world_size,
+    detect_external,
+    plan_local_ranks,
+)
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.loader import check_layout
 
@@ -173,7 +173,7 @@ def worker_command(spec: LaunchSpec, config: EngineConfig, binding: RankBinding)
         "config": dataclasses.asdict(config),
         "binding": dataclasses.asdict(binding),
     }
-    return [sys.executable, "-m", "moeserve.distributed.worker", json.dumps(payload)]
+    return [sys.executable, "-m", "moeserve.launch.worker", json.dumps(payload)]
 
 
 class WorkerProcesses:
