@@ -1,7 +1,8 @@
 """Starting an engine over one or many ranks; sits above the engine it starts.
 
 - ``start``: :func:`start_engine` (one process, or a group of ranks spawned here or elsewhere)
-  and how a rank joins the world; :class:`WorkerProcesses` (the ranks it spawned, watched)
+  and how a rank joins the world
+- ``processes``: :class:`WorkerProcesses` (the ranks this process spawned, watched)
 - ``worker``: the entry point of a spawned rank (``python -m moeserve.launch.worker``)
 - ``spec``: :class:`LaunchSpec` (rank, world, rendezvous) from torchrun, Slurm or flags
 - ``numa``: CPU topology and each local rank's thread binding

@@ -1,4 +1,4 @@
-"""Entry point of a rank spawned by ``start.WorkerProcesses``: ``python -m
+"""Entry point of a rank spawned by ``processes.WorkerProcesses``: ``python -m
 moeserve.launch.worker '<json>'`` with the rank's LaunchSpec, EngineConfig and binding.
 
 The rank exits on its own when the process that spawned it disappears; its last error goes
