@@ -136,7 +136,9 @@ class LLMEngine:
             self.model, self.kv_pool.caches, bs, self.device, groups, num_spec, spec_map
         )
         # expert-load statistics and placement (EPLB); None without MoE layers on this rank
-        self.eplb = ExpertBalancer.create(self.model, groups, config.eplb_options)
+        self.eplb = ExpertBalancer.create(
+            self.model.moe_blocks(), self.model.config, groups, config.eplb_options
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, %d KV blocks (%.2f GiB), max_model_len %d",

@@ -6,7 +6,8 @@ them.
 - ``algorithm``: :func:`rebalance_experts` (placement from load), :func:`rank_load`,
   :func:`imbalance`, :func:`placement_tables`
 - ``balancer``: :class:`ExpertBalancer` (an engine's statistics, initial placement and live
-  re-placement; imported from ``moeserve.eplb.balancer``, it pulls in the EP layers)
+  re-placement of the MoE blocks the engine hands it; imported from ``moeserve.eplb.balancer``,
+  it pulls in the EP mesh's expert migration)
 - ``stats``: :class:`ExpertLoadStats` (sliding-window token counts) and the stats / placement
   files (:func:`save_expert_stats`, :func:`save_placement`, :func:`load_expert_location`)
 """
