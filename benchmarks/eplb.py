@@ -44,8 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import BENCH_CONFIG, bench_model_path  # noqa: E402
 
+from moeserve.distributed.ep.replica import ReplicaTable  # noqa: E402
 from moeserve.eplb import (  # noqa: E402
-    ReplicaTable,
     imbalance,
     placement_tables,
     rank_load,

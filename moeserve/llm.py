@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 from moeserve.config import EngineConfig
 from moeserve.core import PromptType, RequestOutput, SamplingParams
-from moeserve.distributed.launch import start_engine
+from moeserve.launch.start import start_engine
 
 Message = dict[str, str]
 

@@ -48,7 +48,7 @@ def resident_bytes() -> int:
 
 class LLMEngine:
     """One DP replica's engine. On one process it is the whole engine; in an engine group
-    (``moeserve/distributed/engine_group.py``) every rank runs one, in step with the others."""
+    (``moeserve/launch/engine_group.py``) every rank runs one, in step with the others."""
 
     def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
         self.config = config
@@ -141,7 +141,9 @@ class LLMEngine:
             self.model, self.kv_pool.caches, bs, self.device, groups, num_spec, spec_map
         )
         # expert-load statistics and placement (EPLB); None without MoE layers on this rank
-        self.eplb = ExpertBalancer.create(self.model, groups, config.eplb_options)
+        self.eplb = ExpertBalancer.create(
+            self.model.moe_blocks(), self.model.config, groups, config.eplb_options
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, %d KV blocks (%.2f GiB), max_model_len %d",

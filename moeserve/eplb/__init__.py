@@ -1,13 +1,13 @@
-"""Expert-parallel load balancing (EPLB): measured expert load, redundant-expert placement and
-the choice of a replica per routed token. Pure functions and plain data; the EP dispatcher
-and the engine call them.
+"""Expert-parallel load balancing (EPLB): measured expert load and redundant-expert placement,
+a policy over the EP mesh below it (``moeserve.distributed.ep``: the slot tables, the choice of
+a replica per routed token, moving experts). Pure functions and plain data; the engine calls
+them.
 
 - ``algorithm``: :func:`rebalance_experts` (placement from load), :func:`rank_load`,
   :func:`imbalance`, :func:`placement_tables`
-- ``replica``: :class:`ReplicaTable` / :func:`select_replicas` (the physical slot serving
-  each routed choice)
 - ``balancer``: :class:`ExpertBalancer` (an engine's statistics, initial placement and live
-  re-placement; imported from ``moeserve.eplb.balancer``, it pulls in the EP layers)
+  re-placement of the MoE blocks the engine hands it; imported from ``moeserve.eplb.balancer``,
+  it pulls in the EP mesh's expert migration)
 - ``stats``: :class:`ExpertLoadStats` (sliding-window token counts) and the stats / placement
   files (:func:`save_expert_stats`, :func:`save_placement`, :func:`load_expert_location`)
 """
@@ -22,7 +22,6 @@ from moeserve.eplb.algorithm import (
     rebalance_experts,
     replicate,
 )
-from moeserve.eplb.replica import ReplicaTable, select_replicas
 from moeserve.eplb.stats import (
     ExpertLoadStats,
     ExpertPlacementFile,
@@ -36,7 +35,6 @@ __all__ = [
     "ExpertLoadStats",
     "ExpertPlacementFile",
     "ExpertStatsFile",
-    "ReplicaTable",
     "balanced_packing",
     "imbalance",
     "load_expert_location",
@@ -46,5 +44,4 @@ __all__ = [
     "replicate",
     "save_expert_stats",
     "save_placement",
-    "select_replicas",
 ]

@@ -24,11 +24,13 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from moeserve.config import EplbOptions
 from moeserve.distributed.ep.migrate import move_experts
+from moeserve.distributed.ep.placement import ExpertPlacement
 from moeserve.eplb.algorithm import imbalance, rank_load, rebalance_experts
 from moeserve.eplb.stats import (
     ExpertLoadStats,
@@ -40,13 +42,25 @@ from moeserve.eplb.stats import (
 logger = logging.getLogger(__name__)
 
 
+class BalancedBlock(Protocol):
+    """What the balancer reads and drives of one MoE layer; ``layers.moe_block.MoEBlock`` is
+    one. The engine hands the balancer its model's blocks, so eplb imports no layer."""
+
+    expert_counts_E: torch.Tensor  # [E] int64: tokens routed to each expert since the start
+    placement: ExpertPlacement | None  # the slot table it routes by; None without EP
+    experts: Any  # the FusedExperts whose slots move_experts refills
+    reports_counts: bool  # whether this rank's counts are part of the model's sum
+
+    def set_placement(self, placement: ExpertPlacement) -> None: ...
+
+
 class ExpertBalancer:
     """Statistics and placement of one rank's MoE layers (``blocks``: ``(model layer index,
-    MoEBlock)``), over the EP group ``ep``; ``world`` gathers a dump on rank 0."""
+    block)``), over the EP group ``ep``; ``world`` gathers a dump on rank 0."""
 
     def __init__(
         self,
-        blocks: list,
+        blocks: list[tuple[int, BalancedBlock]],
         all_moe_layers: list[int],
         ep,
         world,
@@ -73,20 +87,15 @@ class ExpertBalancer:
         self._queue: list[tuple[int, torch.Tensor]] = []  # (block index, new phy2log_P)
 
     @classmethod
-    def create(cls, model, groups, options: EplbOptions) -> ExpertBalancer | None:
-        """The balancer of an engine's model, or None when this stage has no MoE layer.
-        Applies ``options.init_location`` (a collective over the EP group)."""
-        from moeserve.layers.moe_block import MoEBlock
-
-        start = model.layer_start
-        blocks = [
-            (start + i, layer.mlp)
-            for i, layer in enumerate(model.layers)
-            if isinstance(layer.mlp, MoEBlock)
-        ]
+    def create(
+        cls, blocks: list[tuple[int, BalancedBlock]], cfg, groups, options: EplbOptions
+    ) -> ExpertBalancer | None:
+        """The balancer of an engine's model: ``blocks`` are this stage's MoE layers
+        (``MoECausalLM.moe_blocks()``), ``cfg`` the model's ``ModelConfig``. None when
+        ``blocks`` is empty. Applies ``options.init_location`` (a collective over the EP
+        group)."""
         if not blocks:
             return None
-        cfg = model.config
         all_moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         balancer = cls(blocks, all_moe, groups.ep, groups.world, options, cfg.n_group)
         if options.init_location:

@@ -162,14 +162,19 @@ class MoECausalLM(nn.Module):
             h_TD = layer(positions_T, h_TD, meta)
         return self.norm(h_TD) if self.norm is not None else h_TD
 
+    def moe_blocks(self) -> list[tuple[int, MoEBlock]]:
+        """``(model layer index, MoEBlock)`` of this stage's MoE layers, in layer order (the
+        MTP layers are not among them)."""
+        return [
+            (i, layer.mlp)
+            for i, layer in zip(range(self.layer_start, self.layer_end), self.layers)
+            if isinstance(layer.mlp, MoEBlock)
+        ]
+
     def expert_counts(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, by layer index, for the MoE layers whose counts
         this rank reports; summed over the ranks that report, they are the whole model's."""
-        return {
-            i: layer.mlp.expert_counts_E.tolist()
-            for i, layer in zip(range(self.layer_start, self.layer_end), self.layers)
-            if isinstance(layer.mlp, MoEBlock) and layer.mlp.reports_counts
-        }
+        return {i: b.expert_counts_E.tolist() for i, b in self.moe_blocks() if b.reports_counts}
 
     def compute_logits(self, h_ND: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, V]`` (collective over tp); last stage only."""

@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
     engine = None
     code = 0
     try:
-        from moeserve.distributed.launch import start_engine
+        from moeserve.launch.start import start_engine
 
         engine = start_engine(EngineConfig(**spec["config"]))
         core = EngineCore(engine, inp, out, spec.get("parent_pid"))

@@ -139,7 +139,7 @@ def test_admin_rebalance_reports_and_keeps_outputs(checkpoint, reference):
 def _move_worker(rank: int, world: int, E: int, redundant: int, int8: bool, seed: int) -> bool:
     import torch.distributed as dist
 
-    from tests.unit.eplb.test_migrate import fake_experts
+    from tests.unit.distributed.ep.test_migrate import fake_experts
 
     group = dist.new_group(list(range(world)))
     g = torch.Generator().manual_seed(seed)

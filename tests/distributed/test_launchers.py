@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from moeserve.distributed.launch_env import free_port
+from moeserve.launch.spec import free_port
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 
 GENERATE = ["-m", "moeserve.cli", "generate", "--prompt", "The expert said", "-q"]

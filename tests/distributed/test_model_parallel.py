@@ -193,7 +193,7 @@ def test_peer_that_never_arrives_fails_in_bounded_time(checkpoints):
     """A torchrun-style world of 2 whose rank 1 never starts: rank 0 gives up after the
     timeout with the rendezvous address in the message (in its own process: a failed
     torch.distributed start-up leaves state behind in the process that tried)."""
-    from moeserve.distributed.launch_env import free_port
+    from moeserve.launch.spec import free_port
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

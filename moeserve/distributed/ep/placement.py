@@ -11,7 +11,7 @@ Slots are laid out rank-major; rank ``r`` owns ``[r*S, (r+1)*S)``::
     logcnt_E    = [2 2 2 2 1 1 1 1]
 
 ``log2phys``/``logcnt`` have the meaning and shape of DeepSeek's EPLB output for one layer.
-With replicas, :meth:`physical_ids` asks ``eplb.ReplicaTable`` which one serves each choice:
+With replicas, :meth:`physical_ids` asks ``replica.ReplicaTable`` which one serves each choice:
 a replica on the token's own node first (``node_of_rank``), then round-robin over the pool.
 """
 
@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-from moeserve.eplb.replica import ReplicaTable
+from moeserve.distributed.ep.replica import ReplicaTable
 
 
 @dataclass(frozen=True, eq=False)

@@ -233,7 +233,7 @@ def build_profile(threads: int | None = None, log=print, refit: dict | None = No
             ),
             "control_collectives": _fig(
                 4,
-                "moeserve/distributed/engine_group.py: broadcast_json and all_gather_json of "
+                "moeserve/launch/engine_group.py: broadcast_json and all_gather_json of "
                 "each step, 2 collectives each",
             ),
             "comm_overlaps_compute": _fig(

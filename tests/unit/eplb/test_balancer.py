@@ -10,9 +10,9 @@ from prometheus_client import generate_latest
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import EngineConfig, EplbOptions
-from moeserve.distributed.engine_group import merge_eplb
 from moeserve.eplb import load_expert_location, save_placement
 from moeserve.eplb.balancer import run_command
+from moeserve.launch.engine_group import merge_eplb
 from moeserve.serving.metrics import ServerMetrics, rank_imbalance
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 

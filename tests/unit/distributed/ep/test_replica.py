@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeserve.eplb import ReplicaTable, placement_tables, rebalance_experts, select_replicas
+from moeserve.distributed.ep.replica import ReplicaTable, select_replicas
+from moeserve.eplb import placement_tables, rebalance_experts
 
 # E=4, P=8 over 4 ranks (S=2) on 2 nodes: expert 0 on every rank, expert 1 on node 1 only
 PHY2LOG = torch.tensor([[0, 1, 0, 2, 0, 3, 0, 1]])

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from moeserve.distributed.launch_env import (
+from moeserve.launch.spec import (
     LaunchSpec,
     check_world_size,
     detect_external,

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.distributed import numa
-from moeserve.distributed.numa import (
+from moeserve.launch import numa
+from moeserve.launch.numa import (
     NumaNode,
     RankBinding,
     apply_binding,

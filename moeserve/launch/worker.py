@@ -1,5 +1,5 @@
-"""Entry point of a rank spawned by ``launch.WorkerProcesses``: ``python -m
-moeserve.distributed.worker '<json>'`` with the rank's LaunchSpec, EngineConfig and binding.
+"""Entry point of a rank spawned by ``processes.WorkerProcesses``: ``python -m
+moeserve.launch.worker '<json>'`` with the rank's LaunchSpec, EngineConfig and binding.
 
 The rank exits on its own when the process that spawned it disappears; its last error goes
 to ``$MOESERVE_ERROR_FILE`` so the driver can name it.
@@ -26,9 +26,9 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True).start()
     try:
         from moeserve.config import EngineConfig
-        from moeserve.distributed.launch import _join, _run_worker
-        from moeserve.distributed.launch_env import LaunchSpec
-        from moeserve.distributed.numa import RankBinding
+        from moeserve.launch.numa import RankBinding
+        from moeserve.launch.spec import LaunchSpec
+        from moeserve.launch.start import _join, _run_worker
 
         payload = json.loads(argv[0])
         spec = LaunchSpec(**payload["spec"])

@@ -1,0 +1,14 @@
+"""Starting an engine over one or many ranks; sits above the engine it starts.
+
+- ``start``: :func:`start_engine` (one process, or a group of ranks spawned here or elsewhere)
+  and how a rank joins the world
+- ``processes``: :class:`WorkerProcesses` (the ranks this process spawned, watched)
+- ``worker``: the entry point of a spawned rank (``python -m moeserve.launch.worker``)
+- ``spec``: :class:`LaunchSpec` (rank, world, rendezvous) from torchrun, Slurm or flags
+- ``numa``: CPU topology and each local rank's thread binding
+- ``netif``: the network interface gloo should use on a multi-host run
+- ``engine_group``: :class:`EngineGroup`, rank 0's request API over the group, and the step
+  loop of the other ranks
+
+The mesh these ranks build and the expert dispatch live below, in ``moeserve.distributed``.
+"""
