@@ -23,8 +23,9 @@ from moeserve.engine.model_runner import SeqStepOutput
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
 from moeserve.engine.spec_setup import check_mtp_checkpoint, make_runner
-from moeserve.eplb.balancer import ExpertBalancer
+from moeserve.eplb.balancer import ExpertBalancer, run_command
 from moeserve.kvcache.pool import KVCachePool
+from moeserve.models.hf_config import ModelConfig
 from moeserve.models.loader import load_model
 from moeserve.ops.cpu.allocator import keep_freed_memory, release_freed_memory
 from moeserve.ops.cpu.hugepages import move_to_huge_pages
@@ -46,8 +47,15 @@ def resident_bytes() -> int:
 
 
 class LLMEngine:
-    """One DP replica's engine. On one process it is the whole engine; in an engine group
+    """One DP replica's engine. On one process it is the whole engine (an
+    :class:`~moeserve.engine.interface.Engine`); in an engine group
     (``moeserve/distributed/engine_group.py``) every rank runs one, in step with the others."""
+
+    # the data members of the Engine protocol (set in __init__)
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    max_model_len: int
 
     def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
         self.config = config
@@ -224,8 +232,25 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.outputs.has_pending
 
+    def eplb_command(self, action: str, path: str | None = None) -> dict:
+        """An EPLB command on this process's balancer (``ExpertBalancer.command``):
+        ``rebalance``, ``dump`` (to ``path`` or ``expert_stats_out``) or ``status``. Returns
+        its result ({} without MoE layers); raises ValueError with the balancer's error, and
+        RuntimeError on a rank of an engine group, whose command must run on every rank at once
+        (``EngineGroup.eplb_command``)."""
+        if self.groups.dims.world_size > 1:
+            raise RuntimeError(
+                "this engine is one rank of an engine group: run EPLB commands on every rank "
+                "at once (EngineGroup.eplb_command)"
+            )
+        answer = run_command(self.eplb, action, path)
+        if "error" in answer:
+            raise ValueError(answer["error"])
+        return answer["result"] or {}
+
     def shutdown(self) -> None:
-        """A one-process engine writes its expert statistics (``expert_stats_out``)."""
+        """A one-process engine writes its expert statistics (``expert_stats_out``); it holds
+        nothing else to release."""
         if self.eplb is not None and self.config.expert_stats_out:
             self.eplb.dump()
 
