@@ -11,9 +11,19 @@ from moeserve.ops.formats import QUANTIZATIONS
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face model directory (default: the built-in demo)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument(
+    """The engine's flags (every command that builds an engine), in titled groups."""
+    _add_model_args(p)
+    _add_scheduling_args(p)
+    _add_speculative_args(p)
+    _add_parallel_args(p)
+    _add_eplb_args(p)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and compute")
+    g.add_argument("--model", help="Hugging Face model directory (default: the built-in demo)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
         default="none",
@@ -23,45 +33,56 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "weights held in bf16 (the GEMMs run on AMX where the CPU has it); the tensors between "
         "ops stay fp32 under all three (default: none)",
     )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument(
+    g.add_argument("--no-mtp", action="store_true", help="do not load the MTP layers")
+    g.add_argument("--threads", type=int, default=None, help="intra-op CPU threads per rank")
+
+
+def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduling and KV cache")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
         help="bound on queued sequences; the server answers 503 beyond it (default: none)",
     )
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--no-mtp", action="store_true", help="do not load the MTP layers")
-    p.add_argument(
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (MTP)")
+    g.add_argument(
         "--speculative-num-tokens",
         type=int,
         default=0,
         metavar="K",
         help="speculative decoding: draft K tokens per step with the MTP layer (0: off)",
     )
-    p.add_argument(
+    g.add_argument(
         "--speculative-token-map",
         default=None,
         metavar="FILE",
         help="draft from these hot token ids only (.pt tensor, .json list or text of ids)",
     )
-    p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads per rank")
-    par = p.add_argument_group("parallelism (vLLM's meanings; ranks are spawned here)")
-    par.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp")
-    par.add_argument("--dp", "--data-parallel-size", type=int, default=None, dest="dp")
-    par.add_argument("--pp", "--pipeline-parallel-size", type=int, default=1, dest="pp")
-    par.add_argument(
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (vLLM's meanings; ranks are spawned here)")
+    g.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp")
+    g.add_argument("--dp", "--data-parallel-size", type=int, default=None, dest="dp")
+    g.add_argument("--pp", "--pipeline-parallel-size", type=int, default=1, dest="pp")
+    g.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="split the routed experts over the tp x dp ranks of each stage",
     )
-    par.add_argument(
+    g.add_argument(
         "--ep", type=int, default=None, help="shorthand for --dp N --enable-expert-parallel"
     )
-    par.add_argument(
+    g.add_argument(
         "--ep-num-redundant-experts",
         "--num-redundant-experts",
         type=int,
@@ -69,49 +90,50 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         dest="num_redundant_experts",
         help="extra physical expert slots (E + R over the EP ranks) for copies of hot experts",
     )
-    eplb = p.add_argument_group("expert-parallel load balancing (EPLB)")
-    eplb.add_argument(
+    g.add_argument(
+        "--no-moe-overlap",
+        action="store_true",
+        help="run the shared experts after the expert dispatch instead of during it",
+    )
+    g.add_argument("--two-batch-overlap", action="store_true")
+    g.add_argument("--numa-bind", choices=("auto", "none"), default="auto")
+    g.add_argument("--dist-timeout", type=float, default=120.0, help="seconds")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts of a multi-host group")
+    g.add_argument("--node-rank", type=int, default=0)
+    g.add_argument("--master-addr", default=None, help="address of node rank 0")
+    g.add_argument("--master-port", type=int, default=None)
+
+
+def _add_eplb_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("expert-parallel load balancing (EPLB)")
+    g.add_argument(
         "--enable-eplb",
         action="store_true",
         help="re-place the experts from measured load every --eplb-interval steps, live",
     )
-    eplb.add_argument("--eplb-interval", type=int, default=1000, metavar="STEPS")
-    eplb.add_argument(
+    g.add_argument("--eplb-interval", type=int, default=1000, metavar="STEPS")
+    g.add_argument(
         "--eplb-window", type=int, default=1000, metavar="STEPS", help="steps of statistics"
     )
-    eplb.add_argument(
-        "--eplb-algorithm", choices=("auto", "hierarchical", "global"), default="auto"
-    )
-    eplb.add_argument(
+    g.add_argument("--eplb-algorithm", choices=("auto", "hierarchical", "global"), default="auto")
+    g.add_argument(
         "--eplb-layers-per-step",
         type=int,
         default=1,
         help="MoE layers whose weights move per engine step during a re-placement",
     )
-    eplb.add_argument(
+    g.add_argument(
         "--expert-stats-out",
         metavar="FILE",
         default=None,
         help="write the expert-load window here at shutdown (.json or .safetensors)",
     )
-    eplb.add_argument(
+    g.add_argument(
         "--init-expert-location",
         metavar="FILE",
         default=None,
         help="initial placement: a placement file, or raw stats to place from",
     )
-    par.add_argument(
-        "--no-moe-overlap",
-        action="store_true",
-        help="run the shared experts after the expert dispatch instead of during it",
-    )
-    par.add_argument("--two-batch-overlap", action="store_true")
-    par.add_argument("--numa-bind", choices=("auto", "none"), default="auto")
-    par.add_argument("--dist-timeout", type=float, default=120.0, help="seconds")
-    par.add_argument("--nnodes", type=int, default=1, help="hosts of a multi-host group")
-    par.add_argument("--node-rank", type=int, default=0)
-    par.add_argument("--master-addr", default=None, help="address of node rank 0")
-    par.add_argument("--master-port", type=int, default=None)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 
 from moeserve.config import EngineConfig
 from moeserve.core import PromptType, RequestOutput, SamplingParams
+from moeserve.engine.interface import Engine
 from moeserve.launch.start import start_engine
 
 Message = dict[str, str]
@@ -39,7 +40,7 @@ class LLM:
             from moeserve.demo import demo_model_path
 
             model = str(demo_model_path())
-        self.engine = start_engine(
+        self.engine: Engine = start_engine(
             EngineConfig(
                 model=str(model),
                 dtype=dtype,
@@ -57,10 +58,9 @@ class LLM:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the other ranks of a multi-process engine (also done at interpreter exit)."""
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """Write the expert statistics (``expert_stats_out``) and stop the other ranks of a
+        multi-process engine (a group also stops them at interpreter exit)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

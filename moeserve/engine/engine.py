@@ -23,8 +23,9 @@ from moeserve.engine.codec import SeqStepOutput
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
 from moeserve.engine.spec_setup import check_mtp_checkpoint, make_runner
-from moeserve.eplb.balancer import ExpertBalancer
+from moeserve.eplb.balancer import ExpertBalancer, run_command
 from moeserve.kvcache.pool import KVCachePool
+from moeserve.models.hf_config import ModelConfig
 from moeserve.models.loader import load_model
 from moeserve.ops import formats
 from moeserve.ops.cpu.allocator import keep_freed_memory, release_freed_memory
@@ -37,6 +38,13 @@ _GIB = 1 << 30
 _DEFAULT_KV_CAP_GB = 4.0
 
 
+def _load_tokenizer(model_dir: str) -> Tokenizer | None:
+    """The model directory's ``tokenizer.json``, or None when it has none."""
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(model_dir)
+    return None
+
+
 def resident_bytes() -> int:
     """This process's resident set size (Linux; 0 where unknown)."""
     try:
@@ -47,10 +55,20 @@ def resident_bytes() -> int:
 
 
 class LLMEngine:
-    """One DP replica's engine. On one process it is the whole engine; in an engine group
+    """One DP replica's engine. On one process it is the whole engine (an
+    :class:`~moeserve.engine.interface.Engine`); in an engine group
     (``moeserve/launch/engine_group.py``) every rank runs one, in step with the others."""
 
+    # the data members of the Engine protocol (set in __init__)
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    max_model_len: int
+
     def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
+        """Load the model (this rank's share of it), then size the KV cache and build the
+        scheduler, the runner, the expert balancer and the output processor. Raises
+        ValueError for a ``max_model_len`` the model or the KV cache cannot hold."""
         self.config = config
         self.groups = groups = groups or ParallelGroups.single()
         if config.num_threads:
@@ -61,6 +79,39 @@ class LLMEngine:
             config.quantization, config.dtype, self.device
         )
         t0 = time.perf_counter()
+        self._load_model()
+        # an idle replica must still join the expert all-to-alls of a step
+        dims = groups.dims
+        self.run_empty_when_idle = dims.enable_expert_parallel and dims.dp > 1
+        self.max_model_len = self._resolve_max_model_len()
+        self.tokenizer = _load_tokenizer(config.model)
+        self.eos_token_ids = (
+            self.tokenizer.eos_token_ids
+            if self.tokenizer
+            else frozenset(self.model_config.eos_token_ids)
+        )
+        self.kv_pool = self._allocate_kv_pool()
+        self.scheduler = Scheduler(self._scheduler_config(self.kv_pool.num_blocks))
+        self.runner = make_runner(
+            self.model,
+            self.kv_pool.caches,
+            config.block_size,
+            self.device,
+            groups,
+            config.speculative_num_tokens,
+            config.speculative_token_map,
+        )
+        # expert-load statistics and placement (EPLB); None without MoE layers on this rank
+        self.eplb = ExpertBalancer.create(
+            self.model.moe_blocks(), self.model.config, groups, config.eplb_options
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        self._log_ready(time.perf_counter() - t0)
+
+    def _load_model(self) -> None:
+        """Load the weights (sets ``model``, ``model_config``, ``load_report``), move them to
+        huge pages on a CPU and record what loading kept resident (``load_rss_bytes``)."""
+        config, groups = self.config, self.groups
         rss0 = resident_bytes()
         self.model, self.model_config, self.load_report = load_model(
             config.model,
@@ -85,29 +136,27 @@ class LLMEngine:
         if self.device.type == "cpu":
             # from here on, step temporaries reuse freed pages instead of faulting in fresh ones
             keep_freed_memory()
-        # an idle replica must still join the expert all-to-alls of a step
-        dims = groups.dims
-        self.run_empty_when_idle = dims.enable_expert_parallel and dims.dp > 1
+
+    def _resolve_max_model_len(self) -> int:
+        """The configured ``max_model_len`` (default: the model's, at most 8192); raises
+        ValueError past the model's ``max_position_embeddings``."""
         mc = self.model_config
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
-        if self.max_model_len > mc.max_position_embeddings:
+        max_model_len = self.config.max_model_len or min(mc.max_position_embeddings, 8192)
+        if max_model_len > mc.max_position_embeddings:
             raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={mc.max_position_embeddings}"
             )
-        self.tokenizer = (
-            Tokenizer.from_dir(config.model)
-            if (Path(config.model) / "tokenizer.json").is_file()
-            else None
-        )
-        self.eos_token_ids = (
-            self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
-        )
+        return max_model_len
 
+    def _allocate_kv_pool(self) -> KVCachePool:
+        """The KV cache: ``kv_cache_memory_gb`` of blocks, or by default enough for
+        ``max_num_seqs`` full contexts within 4 GiB; one more layer for the MTP layer under
+        speculative decoding. Raises ValueError when it cannot hold ``max_model_len``."""
+        config = self.config
         spec = self.model.kv_cache_spec()
-        num_spec = config.speculative_num_tokens
-        if num_spec:
-            check_mtp_checkpoint(config.model, mc)
+        if config.speculative_num_tokens:
+            check_mtp_checkpoint(config.model, self.model_config)
             # one more cache layer, for the MTP layer (on every rank: the pools must agree)
             spec = dataclasses.replace(spec, num_layers=spec.num_layers + 1)
         bs = config.block_size
@@ -122,36 +171,30 @@ class LLMEngine:
                 f"the KV cache holds only {num_blocks * bs} tokens, fewer than max_model_len="
                 f"{self.max_model_len}: raise kv_cache_memory_gb or lower max_model_len"
             )
-        self.kv_pool = KVCachePool.allocate(spec, num_blocks, bs, self.device)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                block_size=bs,
-                num_blocks=num_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                max_waiting=config.max_waiting_requests,
-                num_spec_tokens=num_spec,
-            )
+        return KVCachePool.allocate(spec, num_blocks, bs, self.device)
+
+    def _scheduler_config(self, num_blocks: int) -> SchedulerConfig:
+        config = self.config
+        return SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_waiting=config.max_waiting_requests,
+            num_spec_tokens=config.speculative_num_tokens,
         )
-        spec_map = config.speculative_token_map
-        self.runner = make_runner(
-            self.model, self.kv_pool.caches, bs, self.device, groups, num_spec, spec_map
-        )
-        # expert-load statistics and placement (EPLB); None without MoE layers on this rank
-        self.eplb = ExpertBalancer.create(
-            self.model.moe_blocks(), self.model.config, groups, config.eplb_options
-        )
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+
+    def _log_ready(self, seconds: float) -> None:
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, %d KV blocks (%.2f GiB), max_model_len %d",
-            time.perf_counter() - t0,
-            mc.architecture,
+            seconds,
+            self.model_config.architecture,
             self.dtype,
             self.device,
-            num_blocks,
+            self.kv_pool.num_blocks,
             self.kv_pool.num_bytes / _GIB,
             self.max_model_len,
         )
@@ -231,8 +274,25 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.outputs.has_pending
 
+    def eplb_command(self, action: str, path: str | None = None) -> dict:
+        """An EPLB command on this process's balancer (``ExpertBalancer.command``):
+        ``rebalance``, ``dump`` (to ``path`` or ``expert_stats_out``) or ``status``. Returns
+        its result ({} without MoE layers); raises ValueError with the balancer's error, and
+        RuntimeError on a rank of an engine group, whose command must run on every rank at once
+        (``EngineGroup.eplb_command``)."""
+        if self.groups.dims.world_size > 1:
+            raise RuntimeError(
+                "this engine is one rank of an engine group: run EPLB commands on every rank "
+                "at once (EngineGroup.eplb_command)"
+            )
+        answer = run_command(self.eplb, action, path)
+        if "error" in answer:
+            raise ValueError(answer["error"])
+        return answer["result"] or {}
+
     def shutdown(self) -> None:
-        """A one-process engine writes its expert statistics (``expert_stats_out``)."""
+        """A one-process engine writes its expert statistics (``expert_stats_out``); it holds
+        nothing else to release."""
         if self.eplb is not None and self.config.expert_stats_out:
             self.eplb.dump()
 

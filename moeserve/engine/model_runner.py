@@ -29,7 +29,7 @@ from moeserve.layers.sampler import Sampler, compute_prompt_logprobs
 from moeserve.models.base import MoECausalLM
 from moeserve.spec.batch import attention_rows
 from moeserve.spec.mtp import MTPProposer, MTPRows
-from moeserve.spec.verify import verify
+from moeserve.spec.verify import Verified, verify
 
 
 class ModelRunner:
@@ -165,8 +165,25 @@ class ModelRunner:
         """
         entries = batch.seqs
         drafts = getattr(batch, "drafts", None) or tuple(() for _ in entries)
-        # decodes and verifications first, as one decode row per token (the paged decode
-        # path, spec/batch.py: attention_rows), then prefill chunks
+        h_TD, first_row = self._spec_forward(batch, drafts)
+        if not entries or not self.groups.is_last_stage:
+            return []
+        outputs = self._spec_prompt_logprobs(batch, h_TD, first_row)
+        emitted = self._spec_verify(batch, drafts, h_TD, first_row)
+        new_drafts = self._spec_propose(batch, h_TD, first_row, emitted)
+        return self._spec_outputs(batch, outputs, emitted, new_drafts)
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _spec_forward(
+        self, batch: Batch, drafts: tuple[tuple[int, ...], ...]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The target's forward over every entry's tokens followed by its drafts; returns the
+        hidden states and each entry's first row in them. Decodes and verifications come
+        first, as one decode row per token (the paged decode path, spec/batch.py:
+        attention_rows), then prefill chunks."""
+        entries = batch.seqs
         as_dec = [bool(drafts[i]) or e.num_new_tokens == 1 for i, e in enumerate(entries)]
         order = sorted(range(len(entries)), key=lambda i: not as_dec[i])
         ids, positions, starts, nums, tables = [], [], [], [], []
@@ -182,21 +199,35 @@ class ModelRunner:
             nums += rows[1]
             tables += rows[2]
         meta = AttentionMetadata.build(starts, nums, tables, self.block_size, self.device)
-        to = dict(dtype=torch.long, device=self.device)
-        h_TD, _ = self._forward_stage(torch.tensor(ids, **to), torch.tensor(positions, **to), meta)
-        if not entries or not self.groups.is_last_stage:
-            return []
+        h_TD, _ = self._forward_stage(self._long(ids), self._long(positions), meta)
+        return h_TD, first_row
 
-        # prompt logprobs read the entries' own rows, in batch order
-        outputs = [SeqStepOutput() for _ in entries]
-        if any(e.seq.wants_prompt_logprobs for e in entries):
-            own = [
-                r
-                for i, e in enumerate(entries)
-                for r in range(first_row[i], first_row[i] + e.num_new_tokens)
-            ]
-            outputs = self._prompt_logprobs(batch, h_TD[torch.tensor(own, **to)])
+    def _spec_prompt_logprobs(
+        self, batch: Batch, h_TD: torch.Tensor, first_row: list[int]
+    ) -> list[SeqStepOutput]:
+        """:meth:`_prompt_logprobs` over the entries' own rows (not their drafts'), in batch
+        order."""
+        entries = batch.seqs
+        if not any(e.seq.wants_prompt_logprobs for e in entries):
+            return [SeqStepOutput() for _ in entries]
+        own = [
+            r
+            for i, e in enumerate(entries)
+            for r in range(first_row[i], first_row[i] + e.num_new_tokens)
+        ]
+        return self._prompt_logprobs(batch, h_TD[self._long(own)])
 
+    def _spec_verify(
+        self,
+        batch: Batch,
+        drafts: tuple[tuple[int, ...], ...],
+        h_TD: torch.Tensor,
+        first_row: list[int],
+    ) -> dict[int, Verified]:
+        """What each sampling entry (by its index in the batch) emits: its drafts verified
+        against the target's logits at its last token and after each draft. A random entry's
+        drafts are verified only where their draft distribution is here (the leader)."""
+        entries = batch.seqs
         sampling = [i for i, e in enumerate(entries) if e.sample]
         checked: dict[int, tuple[int, ...]] = {}  # the drafts each sampling entry verifies
         probs = []
@@ -217,25 +248,45 @@ class ModelRunner:
         ]
         verified = []
         if sampling:
-            logits = self.model.compute_logits(h_TD[torch.tensor(rows, **to)])
+            logits = self.model.compute_logits(h_TD[self._long(rows)])
             verified = verify(
                 logits, [entries[i].seq for i in sampling], [checked[i] for i in sampling], probs
             )
-        emitted = dict(zip(sampling, verified, strict=True))
+        return dict(zip(sampling, verified, strict=True))
 
-        new_drafts: list[tuple[list[int], list]] = [([], []) for _ in entries]
-        if self.proposer is not None:
-            mtp_rows = []
-            for i, e in enumerate(entries):
-                v = emitted.get(i)
-                if v is None:  # a chunk inside the prompt: its next tokens are known
-                    next_ids, history, k = e.seq.token_ids_slice(e.start + 1, e.end + 1), [], 0
-                else:
-                    next_ids = e.seq.token_ids_slice(e.start + 1, e.end) + v.token_ids
-                    history, k = v.token_ids, self._num_drafts(e.seq, len(v.token_ids))
-                mtp_rows.append(MTPRows(e.seq, first_row[i], e.start, next_ids, k, history))
-            new_drafts = self.proposer.propose(h_TD, mtp_rows)
+    def _spec_propose(
+        self,
+        batch: Batch,
+        h_TD: torch.Tensor,
+        first_row: list[int],
+        emitted: dict[int, Verified],
+    ) -> list[tuple[list[int], list]]:
+        """Per entry, the drafts for the next step and their distributions (none off the
+        leader): the MTP layer over the positions each entry keeps."""
+        entries = batch.seqs
+        if self.proposer is None:
+            return [([], []) for _ in entries]
+        mtp_rows = []
+        for i, e in enumerate(entries):
+            v = emitted.get(i)
+            if v is None:  # a chunk inside the prompt: its next tokens are known
+                next_ids, history, k = e.seq.token_ids_slice(e.start + 1, e.end + 1), [], 0
+            else:
+                next_ids = e.seq.token_ids_slice(e.start + 1, e.end) + v.token_ids
+                history, k = v.token_ids, self._num_drafts(e.seq, len(v.token_ids))
+            mtp_rows.append(MTPRows(e.seq, first_row[i], e.start, next_ids, k, history))
+        return self.proposer.propose(h_TD, mtp_rows)
 
+    def _spec_outputs(
+        self,
+        batch: Batch,
+        outputs: list[SeqStepOutput],
+        emitted: dict[int, Verified],
+        new_drafts: list[tuple[list[int], list]],
+    ) -> list[SeqStepOutput]:
+        """The step's outputs: the emitted tokens and the new drafts of each sampling entry
+        (a random entry's draft distribution is kept for the next step's verification)."""
+        entries = batch.seqs
         for i, v in emitted.items():
             d, q = new_drafts[i]
             if d and not entries[i].seq.params.greedy:

@@ -147,17 +147,20 @@ def merge_eplb(per_rank: list[dict | None]) -> dict | None:
 
 
 class EngineGroup:
-    """Rank 0's handle on the group: the same request API as :class:`LLMEngine`."""
+    """Rank 0's handle on the group: an :class:`~moeserve.engine.interface.Engine`, the same
+    request API as :class:`LLMEngine`."""
+
+    config: EngineConfig
 
     def __init__(
         self, engine: LLMEngine, groups: ParallelGroups, workers=None, on_close=None
     ) -> None:
-        """``workers``: the ranks this process spawned (``launch.WorkerProcesses``), if any;
+        """``workers``: the ranks this process spawned (``launch/processes.WorkerProcesses``), if any;
         ``on_close`` runs once the group is shut down or has failed."""
         if groups.rank != 0:
             raise ValueError("EngineGroup runs on world rank 0; other ranks run serve_steps")
         self.engine, self.groups = engine, groups
-        self.config: EngineConfig = engine.config
+        self.config = engine.config
         self.workers = workers
         self._on_close = on_close
         atexit.register(self.shutdown)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from moeserve.config import EngineConfig
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.engine import LLMEngine
+from moeserve.engine.interface import Engine
 from moeserve.launch.engine_group import EngineGroup, serve_steps
 from moeserve.launch.netif import interface_towards
 from moeserve.launch.numa import (
@@ -48,7 +49,7 @@ from moeserve.models.loader import check_layout
 logger = logging.getLogger(__name__)
 
 
-def start_engine(config: EngineConfig) -> LLMEngine | EngineGroup:
+def start_engine(config: EngineConfig) -> Engine:
     dims = config.parallel_dims
     external = detect_external(os.environ)
     if external is None and dims.world_size == 1:

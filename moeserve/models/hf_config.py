@@ -156,95 +156,113 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        archs = raw.get("architectures") or []
-        arch = resolve_architecture(archs, source)
-
-        def need(key: str) -> Any:
-            if key not in raw or raw[key] is None:
-                raise ConfigError(f"{source}: required field {key!r} is missing")
-            return raw[key]
-
-        is_deepseek = arch.startswith("Deepseek")
-        n_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        n_kv = int(raw.get("num_key_value_heads") or n_heads)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        common: dict[str, Any] = dict(
-            architecture=arch,
-            model_type=str(raw.get("model_type", "")),
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
-            num_attention_heads=n_heads,
-            num_key_value_heads=n_kv,
-            head_dim=int(raw.get("head_dim") or hidden // n_heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            hidden_act=str(raw.get("hidden_act", "silu")),
-            rope=_parse_rope(raw, interleave_default=is_deepseek, source=source),
-            checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            fp8=_parse_quant(raw.get("quantization_config"), source),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-        if common["hidden_act"] != "silu":
-            raise ConfigError(f"{source}: hidden_act {common['hidden_act']!r} is not supported")
-        if is_deepseek:
-            n_experts = int(raw.get("n_routed_experts") or 0)
-            extra = dict(
-                num_experts=n_experts,
-                num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
-                moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-                scoring_func=str(raw.get("scoring_func", "sigmoid")),
-                n_group=int(raw.get("n_group") or 1),
-                topk_group=int(raw.get("topk_group") or 1),
-                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-                n_shared_experts=int(raw.get("n_shared_experts") or 0),
-                first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
-                q_lora_rank=raw.get("q_lora_rank"),
-                kv_lora_rank=int(need("kv_lora_rank")),
-                qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                qk_rope_head_dim=int(need("qk_rope_head_dim")),
-                v_head_dim=int(need("v_head_dim")),
-                num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
-                attention_bias=bool(raw.get("attention_bias", False)),
-            )
-            if extra["scoring_func"] != "sigmoid":
-                raise ConfigError(f"{source}: scoring_func {extra['scoring_func']!r} unsupported")
-            if extra["num_experts"]:
-                extra["shared_expert_intermediate_size"] = (
-                    extra["moe_intermediate_size"] * extra["n_shared_experts"]
-                )
+        """Convert a parsed ``config.json`` (``source`` names it in errors). Raises
+        ConfigError for an unknown architecture, a missing required field or a feature we
+        cannot run."""
+        arch = resolve_architecture(raw.get("architectures") or [], source)
+        common = _common_fields(raw, arch, source)
+        if arch.startswith("Deepseek"):
+            extra = _deepseek_fields(raw, source)
         else:
-            is_qwen2 = arch.startswith("Qwen2")
-            n_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
-            extra = dict(
-                num_experts=n_experts,
-                num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
-                moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                scoring_func="softmax",
-                decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-                mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
-                shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
-                if is_qwen2
-                else 0,
-                shared_expert_gate=is_qwen2,
-                n_shared_experts=1
-                if is_qwen2 and raw.get("shared_expert_intermediate_size")
-                else 0,
-                attention_bias=bool(raw.get("qkv_bias", True))
-                if is_qwen2
-                else bool(raw.get("attention_bias", False)),
-                qk_norm=not is_qwen2,
-            )
-            if raw.get("use_sliding_window"):
-                raise ConfigError(f"{source}: sliding-window attention is not supported")
+            extra = _qwen_fields(raw, arch, source)
         return cls(**common, **extra)
+
+
+def _need(raw: dict[str, Any], key: str, source: str) -> Any:
+    if key not in raw or raw[key] is None:
+        raise ConfigError(f"{source}: required field {key!r} is missing")
+    return raw[key]
+
+
+def _common_fields(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The fields every architecture has: sizes, norms, rope, checkpoint facts."""
+    n_heads = int(_need(raw, "num_attention_heads", source))
+    hidden = int(_need(raw, "hidden_size", source))
+    n_kv = int(raw.get("num_key_value_heads") or n_heads)
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    common: dict[str, Any] = dict(
+        architecture=arch,
+        model_type=str(raw.get("model_type", "")),
+        vocab_size=int(_need(raw, "vocab_size", source)),
+        hidden_size=hidden,
+        intermediate_size=int(_need(raw, "intermediate_size", source)),
+        num_hidden_layers=int(_need(raw, "num_hidden_layers", source)),
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=int(raw.get("head_dim") or hidden // n_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        hidden_act=str(raw.get("hidden_act", "silu")),
+        rope=_parse_rope(raw, interleave_default=arch.startswith("Deepseek"), source=source),
+        checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        fp8=_parse_quant(raw.get("quantization_config"), source),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+    if common["hidden_act"] != "silu":
+        raise ConfigError(f"{source}: hidden_act {common['hidden_act']!r} is not supported")
+    return common
+
+
+def _deepseek_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """DeepSeek-V3: sigmoid group-limited routing, shared experts, MLA, MTP layers."""
+    n_experts = int(raw.get("n_routed_experts") or 0)
+    extra: dict[str, Any] = dict(
+        num_experts=n_experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        scoring_func=str(raw.get("scoring_func", "sigmoid")),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        q_lora_rank=raw.get("q_lora_rank"),
+        kv_lora_rank=int(_need(raw, "kv_lora_rank", source)),
+        qk_nope_head_dim=int(_need(raw, "qk_nope_head_dim", source)),
+        qk_rope_head_dim=int(_need(raw, "qk_rope_head_dim", source)),
+        v_head_dim=int(_need(raw, "v_head_dim", source)),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        attention_bias=bool(raw.get("attention_bias", False)),
+    )
+    if extra["scoring_func"] != "sigmoid":
+        raise ConfigError(f"{source}: scoring_func {extra['scoring_func']!r} unsupported")
+    if extra["num_experts"]:
+        extra["shared_expert_intermediate_size"] = (
+            extra["moe_intermediate_size"] * extra["n_shared_experts"]
+        )
+    return extra
+
+
+def _qwen_fields(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """Qwen2-MoE and Qwen3-MoE: softmax routing; Qwen2's gated shared expert and qkv bias,
+    Qwen3's q/k norms."""
+    is_qwen2 = arch.startswith("Qwen2")
+    n_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    extra = dict(
+        num_experts=n_experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        scoring_func="softmax",
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
+        if is_qwen2
+        else 0,
+        shared_expert_gate=is_qwen2,
+        n_shared_experts=1 if is_qwen2 and raw.get("shared_expert_intermediate_size") else 0,
+        attention_bias=bool(raw.get("qkv_bias", True))
+        if is_qwen2
+        else bool(raw.get("attention_bias", False)),
+        qk_norm=not is_qwen2,
+    )
+    if raw.get("use_sliding_window"):
+        raise ConfigError(f"{source}: sliding-window attention is not supported")
+    return extra
 
 
 def _parse_rope(raw: dict[str, Any], interleave_default: bool, source: str) -> RopeConfig:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -59,6 +59,8 @@ async def refresh_engine_stats(state: ServerState) -> dict | None:
 
 
 def build_app(state: ServerState) -> FastAPI:
+    """The application over ``state``: its routers in this order (the order of
+    /openapi.json), every one but :func:`public_router` behind the API key."""
     app = FastAPI(
         title="moeserve",
         version=moeserve.__version__,
@@ -66,6 +68,18 @@ def build_app(state: ServerState) -> FastAPI:
     )
     app.state.server = state
     install_handlers(app)
+    auth = [Depends(api_key_check(state))]
+    app.include_router(public_router(state))
+    app.include_router(openai_router(state), dependencies=auth)
+    app.include_router(tokenizer_router(state), dependencies=auth)
+    if state.debug_endpoints:
+        app.include_router(debug_router(state), dependencies=auth)
+    return app
+
+
+def api_key_check(state: ServerState):
+    """A dependency that refuses (401) a request without ``Authorization: Bearer KEY`` when
+    the server has a key; the paths of ``_PUBLIC`` pass without one."""
 
     async def check_api_key(request: Request) -> None:
         key = state.api_key
@@ -78,9 +92,14 @@ def build_app(state: ServerState) -> FastAPI:
                 401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key"
             )
 
-    auth = [Depends(check_api_key)]
+    return check_api_key
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+
+def public_router(state: ServerState) -> APIRouter:
+    """GET /health (503 once the engine failed or the server drains), /version, /metrics."""
+    router = APIRouter()
+
+    @router.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         if state.client.dead is not None:
             raise unavailable(f"the engine has failed: {state.client.dead}")
@@ -88,16 +107,23 @@ def build_app(state: ServerState) -> FastAPI:
             raise unavailable("the server is shutting down")
         return Response(status_code=200)
 
-    @app.get("/version")
+    @router.get("/version")
     async def version() -> VersionResponse:
         return VersionResponse(version=moeserve.__version__)
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics() -> Response:
         await refresh_engine_stats(state)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=auth, responses=_ERRORS)
+    return router
+
+
+def openai_router(state: ServerState) -> APIRouter:
+    """OpenAI's GET /v1/models, POST /v1/completions and /v1/chat/completions."""
+    router = APIRouter()
+
+    @router.get("/v1/models", responses=_ERRORS)
     async def models() -> ModelList:
         cards = [
             ModelCard(
@@ -110,25 +136,23 @@ def build_app(state: ServerState) -> FastAPI:
         ]
         return ModelList(data=cards)
 
-    @app.post(
-        "/v1/completions",
-        dependencies=auth,
-        response_model=CompletionResponse,
-        responses=_ERRORS,
-    )
+    @router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(state, body, request)
 
-    @app.post(
-        "/v1/chat/completions",
-        dependencies=auth,
-        response_model=ChatCompletionResponse,
-        responses=_ERRORS,
-    )
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request)
 
-    @app.post("/tokenize", dependencies=auth, responses=_ERRORS)
+    return router
+
+
+def tokenizer_router(state: ServerState) -> APIRouter:
+    """POST /tokenize (a prompt or chat messages) and /detokenize, with the server's
+    tokenizer."""
+    router = APIRouter()
+
+    @router.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         state.model_name(body.model)
         if isinstance(body, TokenizeChatRequest):
@@ -144,42 +168,48 @@ def build_app(state: ServerState) -> FastAPI:
             ids = state.encode(body.prompt, "prompt", body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
-    @app.post("/detokenize", dependencies=auth, responses=_ERRORS)
+    @router.post("/detokenize", responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         state.model_name(body.model)
         state.check_token_ids(body.tokens, "tokens")
         return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, False))
 
-    if state.debug_endpoints:
+    return router
 
-        @app.get("/debug/engine", dependencies=auth, responses=_ERRORS)
-        async def debug_engine() -> JSONResponse:
-            stats = await refresh_engine_stats(state)
-            if stats is None:
-                raise unavailable("the engine did not answer")
-            return JSONResponse(stats)
 
-        async def eplb(action: str) -> JSONResponse:
-            try:
-                result = await state.client.call(
-                    "eplb", timeout=EPLB_TIMEOUT_S, args={"action": action}
-                )
-            except (asyncio.TimeoutError, EngineDeadError):
-                raise unavailable("the engine did not answer") from None
-            except RuntimeError as e:  # the engine's answer: what was wrong
-                raise bad_request(str(e)) from None
-            return JSONResponse(result)
+def debug_router(state: ServerState) -> APIRouter:
+    """GET /debug/engine (the engine's stats and KV self-check) and the EPLB admin calls:
+    GET /admin/eplb, POST /admin/eplb/rebalance and /admin/eplb/dump."""
+    router = APIRouter()
 
-        @app.get("/admin/eplb", dependencies=auth, responses=_ERRORS)
-        async def eplb_status() -> JSONResponse:
-            return await eplb("status")
+    @router.get("/debug/engine", responses=_ERRORS)
+    async def debug_engine() -> JSONResponse:
+        stats = await refresh_engine_stats(state)
+        if stats is None:
+            raise unavailable("the engine did not answer")
+        return JSONResponse(stats)
 
-        @app.post("/admin/eplb/rebalance", dependencies=auth, responses=_ERRORS)
-        async def eplb_rebalance() -> JSONResponse:
-            return await eplb("rebalance")
+    async def eplb(action: str) -> JSONResponse:
+        try:
+            result = await state.client.call(
+                "eplb", timeout=EPLB_TIMEOUT_S, args={"action": action}
+            )
+        except (asyncio.TimeoutError, EngineDeadError):
+            raise unavailable("the engine did not answer") from None
+        except RuntimeError as e:  # the engine's answer: what was wrong
+            raise bad_request(str(e)) from None
+        return JSONResponse(result)
 
-        @app.post("/admin/eplb/dump", dependencies=auth, responses=_ERRORS)
-        async def eplb_dump() -> JSONResponse:
-            return await eplb("dump")
+    @router.get("/admin/eplb", responses=_ERRORS)
+    async def eplb_status() -> JSONResponse:
+        return await eplb("status")
 
-    return app
+    @router.post("/admin/eplb/rebalance", responses=_ERRORS)
+    async def eplb_rebalance() -> JSONResponse:
+        return await eplb("rebalance")
+
+    @router.post("/admin/eplb/dump", responses=_ERRORS)
+    async def eplb_dump() -> JSONResponse:
+        return await eplb("dump")
+
+    return router

@@ -28,6 +28,7 @@ import sys
 import zmq
 
 from moeserve.config import EngineConfig
+from moeserve.engine.interface import Engine
 from moeserve.engine.scheduler import QueueFullError
 from moeserve.serving import messages as m
 
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 500
 
 
-def engine_stats(engine) -> dict:
+def engine_stats(engine: Engine) -> dict:
     """The whole engine's stats in one shape for a single process and a group."""
     stats = engine.stats()
     if "replicas" not in stats:
@@ -46,22 +47,17 @@ def engine_stats(engine) -> dict:
     return stats
 
 
-def eplb_call(engine, action: str) -> dict:
+def eplb_call(engine: Engine, action: str) -> dict:
     """An EPLB command (``ExpertBalancer.command``) on a single engine or a whole group; the
-    dump goes to the engine's ``expert_stats_out``. Raises ValueError when it fails."""
-    group_command = getattr(engine, "eplb_command", None)
-    if group_command is not None:
-        return group_command(action)
-    from moeserve.eplb.balancer import run_command
-
-    answer = run_command(engine.eplb, action)
-    if "error" in answer:
-        raise ValueError(answer["error"])
-    return answer["result"] or {}
+    dump goes to the engine's ``expert_stats_out`` (a caller cannot choose the path). Raises
+    ValueError when it fails."""
+    return engine.eplb_command(action)
 
 
 class EngineCore:
-    def __init__(self, engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None) -> None:
+    def __init__(
+        self, engine: Engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
+    ) -> None:
         self.engine = engine
         self.inp, self.out = inp, out
         self.parent_pid = parent_pid
@@ -132,7 +128,7 @@ class EngineCore:
         return m.CallResult(msg.call_id, error=f"unknown method {msg.method!r}")
 
 
-def ready_message(engine) -> m.Ready:
+def ready_message(engine: Engine) -> m.Ready:
     cfg = engine.config
     return m.Ready(
         max_model_len=engine.max_model_len,
@@ -156,7 +152,7 @@ def main(argv: list[str]) -> int:
         sock.setsockopt(zmq.LINGER, 2000)
     inp.connect(spec["input"])
     out.connect(spec["output"])
-    engine = None
+    engine: Engine | None = None
     code = 0
     try:
         from moeserve.launch.start import start_engine
@@ -175,12 +171,11 @@ def main(argv: list[str]) -> int:
         out.send(m.encode(m.EngineDead(f"{type(e).__name__}: {e}")))
         code = 1
     finally:
-        shutdown = getattr(engine, "shutdown", None)
-        if shutdown is not None:
+        if engine is not None:  # None: the engine failed to start
             try:
-                shutdown()
+                engine.shutdown()
             except Exception:
-                logger.exception("engine group shutdown failed")
+                logger.exception("engine shutdown failed")
                 code = 1
         inp.close()
         out.close()

@@ -110,56 +110,96 @@ def verify(
     logits_NV = logits_NV.float()
     views = [SeqView.of(s, d[:j]) for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
     processed_NV = process_logits(logits_NV, views)
-    B, K, V, dev = len(seqs), max(counts, default=0), logits_NV.shape[1], logits_NV.device
-    starts = [0]
+    starts = [0]  # each sequence's first row
     for n in counts:
         starts.append(starts[-1] + n + 1)
-    emitted: list[list[int]] = [[] for _ in range(B)]
+    emitted: list[list[int]] = [[] for _ in seqs]
 
-    greedy = [b for b in range(B) if seqs[b].params.greedy]
-    rand = [b for b in range(B) if not seqs[b].params.greedy]
+    greedy = [b for b in range(len(seqs)) if seqs[b].params.greedy]
+    rand = [b for b in range(len(seqs)) if not seqs[b].params.greedy]
     if greedy:
         target = processed_NV.argmax(dim=-1).tolist()
         for b in greedy:
             emitted[b] = greedy_accept_row(list(drafts[b]), target[starts[b] : starts[b + 1]])
     if rand:
-        R = len(rand)
-        draft_RK = torch.tensor(
-            [list(drafts[b]) + [0] * (K - counts[b]) for b in rand], dtype=torch.long, device=dev
-        ).reshape(R, K)
-        num_R = torch.tensor([counts[b] for b in rand], device=dev)
-        rows = [starts[b] + j for b in rand for j in range(counts[b] + 1)]
-        rviews = [views[i] for i in rows]
-        p_NV = sampling_logits(processed_NV[torch.tensor(rows, device=dev)], rviews).softmax(-1)
-        # [R, K1] rows of p per sequence, in rand order; padding repeats the last row
-        rstarts = [0]
-        for b in rand:
-            rstarts.append(rstarts[-1] + counts[b] + 1)
-        p_idx = torch.tensor(
-            [[rstarts[i] + min(j, counts[b]) for j in range(K + 1)] for i, b in enumerate(rand)],
-            device=dev,
-        )
-        p_RK1V = p_NV[p_idx]
-        q_RKV = torch.ones(R, K, V, dtype=p_NV.dtype, device=dev)
-        for i, b in enumerate(rand):
-            if counts[b]:
-                q = draft_probs[b]
-                if q is None or tuple(q.shape) != (counts[b], V):
-                    raise ValueError(
-                        f"sequence {seqs[b].seq_id}: expected draft probabilities "
-                        f"[{counts[b]}, {V}], got {None if q is None else tuple(q.shape)}"
-                    )
-                q_RKV[i, : counts[b]] = q.to(dev)
-        us = _uniforms([SeqView.of(seqs[b]) for b in rand], [counts[b] + 1 for b in rand])
-        u_acc = torch.tensor([u[:-1] + [1.0] * (K - len(u) + 1) for u in us], dtype=torch.float64)
-        u_fin = torch.tensor([u[-1] for u in us], dtype=torch.float64)
-        accepted_R, tokens_RK1 = rejection_sample(
-            draft_RK, num_R, q_RKV, p_RK1V, u_acc.reshape(R, K).to(dev), u_fin
-        )
-        for i, (a, toks) in enumerate(zip(accepted_R.tolist(), tokens_RK1.tolist(), strict=True)):
-            emitted[rand[i]] = toks[: a + 1]
+        accepted = _accept_random(processed_NV, views, seqs, drafts, draft_probs, starts, rand)
+        for b, tokens in zip(rand, accepted, strict=True):
+            emitted[b] = tokens
+    return _verified(logits_NV, seqs, emitted, starts)
 
-    result = []
+
+def _accept_random(
+    processed_NV: torch.Tensor,
+    views: SequenceABC[SeqView],
+    seqs: SequenceABC[Sequence],
+    drafts: SequenceABC[SequenceABC[int]],
+    draft_probs: SequenceABC[torch.Tensor | None],
+    starts: list[int],
+    rand: list[int],
+) -> list[list[int]]:
+    """Rejection sampling of the random sequences ``rand`` (indices into ``seqs``): the
+    tokens each emits, in ``rand`` order. Takes ``n + 1`` uniforms from each generator."""
+    counts = [len(d) for d in drafts]
+    R, K, dev = len(rand), max(counts, default=0), processed_NV.device
+    draft_RK = torch.tensor(
+        [list(drafts[b]) + [0] * (K - counts[b]) for b in rand], dtype=torch.long, device=dev
+    ).reshape(R, K)
+    num_R = torch.tensor([counts[b] for b in rand], device=dev)
+    rows = [starts[b] + j for b in rand for j in range(counts[b] + 1)]
+    rviews = [views[i] for i in rows]
+    p_NV = sampling_logits(processed_NV[torch.tensor(rows, device=dev)], rviews).softmax(-1)
+    # [R, K1] rows of p per sequence, in rand order; padding repeats the last row
+    rstarts = [0]
+    for b in rand:
+        rstarts.append(rstarts[-1] + counts[b] + 1)
+    p_idx = torch.tensor(
+        [[rstarts[i] + min(j, counts[b]) for j in range(K + 1)] for i, b in enumerate(rand)],
+        device=dev,
+    )
+    p_RK1V = p_NV[p_idx]
+    q_RKV = _draft_probs_RKV(seqs, counts, draft_probs, rand, K, p_NV)
+    us = _uniforms([SeqView.of(seqs[b]) for b in rand], [counts[b] + 1 for b in rand])
+    u_acc = torch.tensor([u[:-1] + [1.0] * (K - len(u) + 1) for u in us], dtype=torch.float64)
+    u_fin = torch.tensor([u[-1] for u in us], dtype=torch.float64)
+    accepted_R, tokens_RK1 = rejection_sample(
+        draft_RK, num_R, q_RKV, p_RK1V, u_acc.reshape(R, K).to(dev), u_fin
+    )
+    return [toks[: a + 1] for a, toks in zip(accepted_R.tolist(), tokens_RK1.tolist(), strict=True)]
+
+
+def _draft_probs_RKV(
+    seqs: SequenceABC[Sequence],
+    counts: list[int],
+    draft_probs: SequenceABC[torch.Tensor | None],
+    rand: list[int],
+    K: int,
+    p_NV: torch.Tensor,
+) -> torch.Tensor:
+    """The random sequences' draft distributions as one ``[R, K, V]`` tensor (ones past a
+    sequence's drafts). Raises ValueError for a missing or misshapen ``draft_probs[b]``."""
+    V, dev = p_NV.shape[1], p_NV.device
+    q_RKV = torch.ones(len(rand), K, V, dtype=p_NV.dtype, device=dev)
+    for i, b in enumerate(rand):
+        if counts[b]:
+            q = draft_probs[b]
+            if q is None or tuple(q.shape) != (counts[b], V):
+                raise ValueError(
+                    f"sequence {seqs[b].seq_id}: expected draft probabilities "
+                    f"[{counts[b]}, {V}], got {None if q is None else tuple(q.shape)}"
+                )
+            q_RKV[i, : counts[b]] = q.to(dev)
+    return q_RKV
+
+
+def _verified(
+    logits_NV: torch.Tensor,
+    seqs: SequenceABC[Sequence],
+    emitted: list[list[int]],
+    starts: list[int],
+) -> list[Verified]:
+    """Each sequence's emitted tokens with their logprobs (from the unprocessed logits of the
+    rows they were sampled at), for the sequences that asked for logprobs."""
+    B, dev = len(seqs), logits_NV.device
     acc = [len(e) - 1 for e in emitted]
     want_lp = [b for b in range(B) if seqs[b].params.logprobs is not None]
     lp_rows = {b: [None] * (acc[b] + 1) for b in range(B)}
@@ -171,6 +211,4 @@ def verify(
         entries = iter(_logprob_dicts(logprobs_RV, chosen.to(dev), nums))
         for b in want_lp:
             lp_rows[b] = [next(entries) for _ in range(acc[b] + 1)]
-    for b in range(B):
-        result.append(Verified(emitted[b], lp_rows[b], acc[b]))
-    return result
+    return [Verified(emitted[b], lp_rows[b], acc[b]) for b in range(B)]

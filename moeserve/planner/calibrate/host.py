@@ -1,6 +1,7 @@
 """What machine a calibration ran on: the CPU model, its ISA extensions, its caches and the
 kernel variant the engine picks, written into the profile's ``measured_on`` section (read
-by people, not by the planner) so a profile says what it was measured on."""
+by people, not by the planner) so a profile says what it was measured on; and the machine
+facts the profile's figures take as they are (NUMA domains, the kernels' row limits)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,42 @@ def describe_host(today: str, torch_version: str, kernel_variant: str) -> dict:
         "engine_kernels": kernel_variant,
         "torch": str(torch_version),
     }
+
+
+def numa_domains() -> int:
+    """NUMA nodes Linux reports (1 where it reports none)."""
+    try:
+        nodes = [d for d in os.listdir("/sys/devices/system/node") if d[4:].isdigit()]
+    except OSError:
+        return 1
+    return max(1, sum(1 for d in nodes if d.startswith("node")))
+
+
+def kernel_variant() -> str:
+    """Which fp32 kernels the engine runs here (the calibration times those)."""
+    import torch
+
+    from moeserve.ops.cpu import kernels
+
+    mkl = "MKL" if torch.backends.mkl.is_available() else "torch"
+    if not kernels.available():
+        return f"torch reference for few rows (no compiled kernels), {mkl} for many"
+    isa = "AVX-512F" if kernels.wide() else "AVX2+FMA"
+    return (
+        f"ops/cpu/kernels.c {isa} for <= {kernels.MAX_ROWS} rows and the MoE, {mkl} for more rows"
+    )
+
+
+def kernel_max_rows() -> int:
+    """Rows up to which ``linear`` runs the engine's own kernel (0: MKL for every count)."""
+    from moeserve.ops.cpu import kernels
+
+    return kernels.MAX_ROWS if kernels.available() else 0
+
+
+def expert_gemm_min_rows() -> int:
+    """Rows from which the engine's MoE call runs an expert as MKL GEMMs here (0: never, or
+    no kernels)."""
+    from moeserve.ops.cpu import kernels
+
+    return (kernels.mkl_min_rows() or 0) if kernels.available() else 0
