@@ -1,8 +1,8 @@
-"""Streaming detokenization and stop-string search for generated tokens."""
+"""Streaming detokenization of generated tokens (stop strings: ``text_tracker.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -64,20 +64,3 @@ class IncrementalDetokenizer:
     def _advance(self, text: str, prefix_text: str) -> str:
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(prefix_text) :]
-
-
-def find_stop(text: str, start: int, stops: Iterable[str]) -> tuple[int, str] | None:
-    """Earliest stop string in ``text`` that ends after ``start`` (the old text length).
-
-    Returns ``(index, stop)``; the caller cuts ``text[:index]`` (stop excluded). Only the
-    tail where a new match can lie is searched: for a stop of length L, ``text[start-L+1:]``.
-    Ties go to the stop listed first. Empty stop strings are ignored.
-    """
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        if not stop:
-            continue
-        i = text.find(stop, max(0, start - len(stop) + 1))
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best

@@ -2,8 +2,11 @@
 each request into one :class:`RequestOutput`: cumulative by default, as vLLM returns, or only
 what is new (``output_kind="delta"``, what the API server streams) or only the final output.
 
-A request with ``detokenize=False`` gets token ids only; its caller detokenizes and ends a
-sample at a stop string with :meth:`OutputProcessor.finish_sample`."""
+Text, stop strings and ``min_tokens`` follow :mod:`moeserve.text_tracker`, the rules the API
+server applies too; when a stop string ends inside a speculative step, the step's later tokens
+are removed from the sequence here. A request with ``detokenize=False`` gets token ids only;
+its caller detokenizes and ends a sample at a stop string with
+:meth:`OutputProcessor.finish_sample`."""
 
 from __future__ import annotations
 
@@ -20,21 +23,18 @@ from moeserve.core import (
     SamplingParams,
     Sequence,
 )
-from moeserve.detokenizer import IncrementalDetokenizer, find_stop
 from moeserve.engine.codec import SeqStepOutput
+from moeserve.text_tracker import TextOptions, TextTracker
 from moeserve.tokenizer import Tokenizer
 
 
 @dataclass
 class _SampleState:
     seq: Sequence
-    detok: IncrementalDetokenizer | None
-    text: str = ""
+    tracker: TextTracker | None  # None: token ids only (detokenize=False or no tokenizer)
     num_tokens_seen: int = 0
-    stopped: bool = False  # the text was cut at a stop string; later tokens add no text
     # what earlier delta outputs carried
     num_tokens_sent: int = 0
-    num_chars_sent: int = 0
     finish_sent: bool = False
 
 
@@ -71,12 +71,11 @@ class OutputProcessor:
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        detokenize = self.tokenizer is not None and params.detokenize
+        options = TextOptions.from_params(params)
         samples = [
             _SampleState(
-                seq,
-                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                if self.tokenizer is not None and params.detokenize
-                else None,
+                seq, TextTracker(self.tokenizer, prompt_ids, options) if detokenize else None
             )
             for seq in seqs
         ]
@@ -103,7 +102,6 @@ class OutputProcessor:
         if sample.seq.is_finished:
             return False
         self.scheduler.finish(sample.seq, reason, stop_reason)
-        sample.stopped = True
         self._pending.append(sample.seq)
         return True
 
@@ -145,36 +143,19 @@ class OutputProcessor:
         seq = sample.seq
         new = seq.output_token_ids[sample.num_tokens_seen :]
         sample.num_tokens_seen = len(seq.output_token_ids)
-        if sample.detok is None or not new or sample.stopped:
+        if sample.tracker is None or not new:
             return
-        stops = seq.params.stop
-        # a step of speculative decoding appends several tokens: with stop strings each is
-        # checked on its own, as if it came in its own step
-        pieces = [new] if not stops or len(new) == 1 else [[t] for t in new]
-        for j, piece in enumerate(pieces):
-            last = j == len(pieces) - 1
-            before = len(sample.text)
-            sample.text += sample.detok.step(piece)
-            if last and seq.is_finished and seq.finish_reason is not FinishReason.ABORT:
-                # flush text held back for an incomplete character, as a final decode would
-                sample.text += sample.detok.flush()
-            if not stops:
-                continue
-            hit = find_stop(sample.text, before, stops)
-            if hit is None:
-                continue
-            index, stop = hit
-            keep = index + len(stop) if seq.params.include_stop_str_in_output else index
-            sample.text = sample.text[:keep]
-            sample.stopped = True
-            if not last:  # the tokens after the stop string were never generated
-                _drop_output_tokens(seq, len(pieces) - j - 1)
-                sample.num_tokens_seen = len(seq.output_token_ids)
-            if not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP, stop)
-            else:  # finished by a token in the same step: the stop string still wins
-                seq.finish(FinishReason.STOP, stop)
+        last = seq.is_finished and seq.finish_reason is not FinishReason.ABORT
+        step = sample.tracker.update(new, last)
+        if step.num_tokens < len(new):  # the tokens after a stop string were never generated
+            _drop_output_tokens(seq, len(new) - step.num_tokens)
+            sample.num_tokens_seen = len(seq.output_token_ids)
+        if step.stop is None:
             return
+        if not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.STOP, step.stop)
+        else:  # finished by a token in the same step: the stop string still wins
+            seq.finish(FinishReason.STOP, step.stop)
 
     def _decorate(self, entries: list[PositionLogprobs | None]) -> list[PositionLogprobs | None]:
         if self.tokenizer is None:
@@ -205,20 +186,17 @@ class OutputProcessor:
         completions = []
         for i, sample in enumerate(state.samples):
             seq = sample.seq
-            tokens, text, logprobs = seq.output_token_ids, sample.text, seq.logprobs
+            tokens, logprobs, tracker = seq.output_token_ids, seq.logprobs, sample.tracker
+            # text a stop string could still claim stays back until the sample ends
+            text = "" if tracker is None else tracker.shown(seq.is_finished)
             if delta:
                 newly_finished = seq.is_finished and not sample.finish_sent
                 if len(tokens) == sample.num_tokens_sent and not newly_finished:
                     continue
                 tokens = tokens[sample.num_tokens_sent :]
                 logprobs = logprobs[sample.num_tokens_sent :]
-                # text a stop string could still claim stays back until the sample ends
-                stops = seq.params.stop
-                hold = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
-                end = max(sample.num_chars_sent, len(sample.text) - hold)
-                text = text[sample.num_chars_sent : end]
+                text = "" if tracker is None else tracker.take_delta(seq.is_finished)
                 sample.num_tokens_sent = len(seq.output_token_ids)
-                sample.num_chars_sent = end
                 sample.finish_sent = seq.is_finished
             want_lp = seq.params.logprobs is not None
             completions.append(

@@ -155,8 +155,8 @@ class EngineGroup:
     def __init__(
         self, engine: LLMEngine, groups: ParallelGroups, workers=None, on_close=None
     ) -> None:
-        """``workers``: the ranks this process spawned (``launch/processes.WorkerProcesses``), if any;
-        ``on_close`` runs once the group is shut down or has failed."""
+        """``workers``: the ranks this process spawned (``launch/processes.WorkerProcesses``),
+        if any; ``on_close`` runs once the group is shut down or has failed."""
         if groups.rank != 0:
             raise ValueError("EngineGroup runs on world rank 0; other ranks run serve_steps")
         self.engine, self.groups = engine, groups

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from moeserve.core import SamplingParams
 from moeserve.serving.client import EngineClient, RequestStream
 from moeserve.serving.metrics import ServerMetrics
-from moeserve.serving.outputs import RequestTracker, SampleDelta, TextOptions
+from moeserve.serving.outputs import RequestTracker, SampleDelta
+from moeserve.text_tracker import TextOptions
 from moeserve.tokenizer import Tokenizer
 
 

@@ -1,30 +1,21 @@
-"""The API server's view of one request's samples: detokenization, stop strings, logprobs.
+"""The API server's view of one request's samples: their text, stop strings and logprobs.
 
-The engine sends token ids only (``detokenize=False``); this process turns them into text.
-For each engine output (a delta) :meth:`RequestTracker.update` returns what is new per sample.
-When a stop string appears, the text is cut there, the sample is finished with reason
-``stop``, and the caller tells the engine (``FinishSample``) so the sample stops using KV.
-
-While a sample may still hit a stop string, up to ``len(longest stop) - 1`` trailing
-characters are held back, so streamed text never shows the start of a stop string that is
-later cut (vLLM does the same).
+The engine sends token ids only (``detokenize=False``); this process turns them into text with
+one :class:`~moeserve.text_tracker.TextTracker` per sample, the rules the offline engine
+applies too (stop strings, ``min_tokens``, held-back text, a speculative step cut after a stop
+string). For each engine output (a delta) :meth:`RequestTracker.update` returns what is new per
+sample. When a stop string appears, the text is cut there, the step's tokens after it are
+dropped, the sample is finished with reason ``stop``, and the caller tells the engine
+(``FinishSample``) so the sample stops using KV.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moeserve.core import PositionLogprobs, RequestOutput
-from moeserve.detokenizer import IncrementalDetokenizer, find_stop
+from moeserve.core import CompletionOutput, PositionLogprobs, RequestOutput
+from moeserve.text_tracker import TextOptions, TextTracker
 from moeserve.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class TextOptions:
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    min_tokens: int = 0
 
 
 @dataclass
@@ -43,13 +34,15 @@ class SampleDelta:
 
 @dataclass
 class _Sample:
-    detok: IncrementalDetokenizer
-    text: str = ""
-    num_chars_sent: int = 0
+    tracker: TextTracker
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.tracker.text
 
     @property
     def finished(self) -> bool:
@@ -61,15 +54,13 @@ class _Sample:
 
 
 class RequestTracker:
+    """The ``n`` samples of one engine request, rebuilt from its delta outputs."""
+
     def __init__(
         self, tokenizer: Tokenizer, prompt_ids: list[int], n: int, options: TextOptions
     ) -> None:
         self.options = options
-        self.samples = [
-            _Sample(IncrementalDetokenizer(tokenizer, prompt_ids, options.skip_special_tokens))
-            for _ in range(n)
-        ]
-        self._hold = max((len(s) for s in options.stop), default=1) - 1
+        self.samples = [_Sample(TextTracker(tokenizer, prompt_ids, options)) for _ in range(n)]
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.metrics: dict[str, float] = {}
@@ -96,32 +87,22 @@ class RequestTracker:
             deltas.append(self._update_sample(c.index, sample, c))
         return deltas
 
-    def _update_sample(self, index: int, sample: _Sample, c) -> SampleDelta:
-        opts = self.options
-        sample.token_ids.extend(c.token_ids)
-        if c.logprobs:
-            sample.logprobs.extend(c.logprobs)
-        before = len(sample.text)
-        sample.text += sample.detok.step(c.token_ids)
+    def _update_sample(self, index: int, sample: _Sample, c: CompletionOutput) -> SampleDelta:
         engine_finished = c.finish_reason is not None
-        if engine_finished and c.finish_reason != "abort":
-            sample.text += sample.detok.flush()
-        delta = SampleDelta(index, "", list(c.token_ids), c.logprobs)
-        hit = None
-        if opts.stop and sample.num_tokens >= opts.min_tokens:
-            hit = find_stop(sample.text, before, opts.stop)
-        if hit is not None:
-            at, stop = hit
-            sample.text = sample.text[: at + len(stop) if opts.include_stop_str_in_output else at]
-            sample.finish_reason, sample.stop_reason = "stop", stop
+        step = sample.tracker.update(c.token_ids, engine_finished and c.finish_reason != "abort")
+        # a stop string inside a speculative step: the tokens after it were never generated
+        token_ids = list(c.token_ids[: step.num_tokens])
+        logprobs = c.logprobs[: step.num_tokens] if c.logprobs else c.logprobs
+        sample.token_ids.extend(token_ids)
+        if logprobs:
+            sample.logprobs.extend(logprobs)
+        delta = SampleDelta(index, "", token_ids, logprobs)
+        if step.stop is not None:
+            sample.finish_reason, sample.stop_reason = "stop", step.stop
             delta.stop_found = True
         elif engine_finished:
             sample.finish_reason, sample.stop_reason = c.finish_reason, c.stop_reason
-        # text that a stop string could still claim stays back until the sample ends
-        end = len(sample.text) if sample.finished else len(sample.text) - self._hold
-        if end > sample.num_chars_sent:
-            delta.text = sample.text[sample.num_chars_sent : end]
-            sample.num_chars_sent = end
+        delta.text = sample.tracker.take_delta(sample.finished)
         delta.finish_reason, delta.stop_reason = sample.finish_reason, sample.stop_reason
         return delta
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from moeserve.core import SamplingParams
 from moeserve.serving.errors import bad_request
-from moeserve.serving.outputs import TextOptions
 from moeserve.serving.protocol import ChatCompletionRequest, CompletionRequest
+from moeserve.text_tracker import TextOptions
 
 _DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 

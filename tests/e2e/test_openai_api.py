@@ -117,6 +117,33 @@ def test_stop_string_cuts_the_text(client, model, stream):
     assert kept == text[: text.index(stop) + len(stop)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_back_a_stop_string(client, model, stream):
+    kw = dict(model=model, prompt="The expert said", temperature=0, max_tokens=40)
+    text = client.completions.create(**kw).choices[0].text
+    for m in range(6, 12):  # the text of the first m tokens, not ending inside a character
+        head = client.completions.create(**{**kw, "max_tokens": m}).choices[0].text
+        if not head.endswith("\ufffd"):
+            break
+    assert text.startswith(head)
+    # a stop string in the first m tokens' text that comes again later, if one does
+    pairs = [head[i : i + 2] for i in range(len(head) - 1) if head[i : i + 2].strip()]
+    stop = next((p for p in pairs if text.find(p, len(head) - 1) != -1), text[:2])
+
+    def complete(min_tokens: int) -> tuple[str, str]:
+        body = dict(stop=[stop], extra_body={"min_tokens": min_tokens}, **kw)
+        if not stream:
+            choice = client.completions.create(**body).choices[0]
+            return choice.text, choice.finish_reason
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **body) if c.choices]
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+    assert complete(0) == (text[: text.index(stop)], "stop")
+    # vLLM's rule: the stop string may not end in the text of the first min_tokens tokens
+    later = text.find(stop, len(head) - len(stop) + 1)
+    assert complete(m) == ((text[:later], "stop") if later != -1 else (text, "length"))
+
+
 def test_chat_logprobs(client, model):
     r = client.chat.completions.create(
         model=model, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.detokenizer import IncrementalDetokenizer, find_stop
+from moeserve.detokenizer import IncrementalDetokenizer
 from moeserve.tokenizer import Tokenizer, TokenizerError
 from tests.helpers import copy_demo_tokenizer
 
@@ -301,38 +301,6 @@ def test_flush_emits_trailing_partial_character(tok):
     assert detok.flush() == tok.decode(ids)[2:]
     assert detok.flush() == ""
     assert tok.decode(ids).endswith("\ufffd")
-
-
-# --- stop strings -----------------------------------------------------------------------------
-
-
-def test_find_stop():
-    assert find_stop("hello world", 0, ["wor"]) == (6, "wor")
-    assert find_stop("hello world", 0, ["zz", ""]) is None
-    assert find_stop("abcSTOPdef", 0, ["def", "STOP"]) == (3, "STOP")
-    assert find_stop("ab", 0, ["b", "ab"]) == (0, "ab")
-    assert find_stop("xx", 0, []) is None
-
-
-def test_find_stop_only_new_region():
-    # an old match entirely before `start` was already handled: not reported again
-    assert find_stop("END and more", 8, ["END"]) is None
-    # a match that straddles the old/new boundary is found
-    assert find_stop("the EN" + "D", 6, ["END"]) == (4, "END")
-    assert find_stop("the END", 5, ["END"]) == (4, "END")
-    assert find_stop("the END", 7, ["END"]) is None  # no new text
-
-
-def test_find_stop_streaming():
-    text, stops, hit = "", ["</s>", "\n\n"], None
-    for piece in ["Hel", "lo <", "/", "s> tail"]:
-        start = len(text)
-        text += piece
-        hit = find_stop(text, start, stops)
-        if hit:
-            break
-    assert hit == (6, "</s>")
-    assert text[: hit[0]] == "Hello "
 
 
 def test_config_only_tokens_are_added_like_transformers(tok_dir, tmp_path):

@@ -12,9 +12,10 @@ from moeserve.launch.engine_group import merge_stats
 from moeserve.serving import messages as m
 from moeserve.serving.errors import APIError, _field
 from moeserve.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from moeserve.serving.outputs import RequestTracker, TextOptions
+from moeserve.serving.outputs import RequestTracker
 from moeserve.serving.protocol import CompletionRequest
 from moeserve.serving.sampling import ModelDefaults, build_params, max_tokens_for
+from moeserve.text_tracker import TextOptions
 from moeserve.tokenizer import Tokenizer
 
 
