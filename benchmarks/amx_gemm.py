@@ -1,4 +1,4 @@
-"""The AMX kernels (``ops/cpu/amx.c``: bf16, ``ops/cpu/amx_int8.c``: w8a8 int8) against the
+"""The AMX kernels (``ops/cpu/bf16_amx.c``: bf16, ``ops/cpu/int8_amx.c``: w8a8 int8) against the
 other ways to run the same product.
 
 Projection ``x [M, K] @ w.T`` with ``w [N, K]`` at token rows M from decode to prefill:
@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import amx, amx_int8, kernels
+from moeserve.ops.cpu import bf16_amx, int8_amx
+from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.cpu import int8 as int8_kernels
 from moeserve.ops.linear import linear
 from moeserve.quant.int8 import Int8Tensor, quantize_rows
@@ -74,14 +75,14 @@ def projections(args) -> list[dict]:
         x16 = x32.bfloat16()
         out32 = torch.empty(M, N)
         variants = {
-            "amx f32-x": lambda x32=x32, out32=out32: amx.gemm_nt(x32, w16, out=out32),
-            "amx bf16-x": lambda x16=x16: amx.gemm_nt(x16, w16),
+            "amx f32-x": lambda x32=x32, out32=out32: bf16_amx.gemm_nt(x32, w16, out=out32),
+            "amx bf16-x": lambda x16=x16: bf16_amx.gemm_nt(x16, w16),
             "onednn": lambda x16=x16: F.linear(x16, w16),
-            "amx w8a8": lambda x32=x32, out32=out32: amx_int8.gemm_nt(x32, w8, out=out32),
+            "amx w8a8": lambda x32=x32, out32=out32: int8_amx.gemm_nt(x32, w8, out=out32),
             "int8": lambda x32=x32, out32=out32: int8_kernels.gemm_nt(x32, w8, out=out32),
             "fp32": lambda x32=x32: linear(x32, w32),
         }
-        if not amx_int8.available():
+        if not int8_amx.available():
             del variants["amx w8a8"]
         reps = max(2, min(200, int(2e9 / (2 * M * N * K + 4e7))))
         t = median_times(variants, args.rounds, reps)
@@ -115,12 +116,12 @@ def moe_calls(args) -> list[dict]:
         args32 = (x, experts, counts, w13, w2, w)
         args8 = (x, experts, counts, w13_8, w2_8, w)
         variants = {
-            "amx bf16": lambda a=args16: amx.moe_experts(*a),
-            "amx w8a8": lambda a=args8: amx_int8.moe_experts(*a),
+            "amx bf16": lambda a=args16: bf16_amx.moe_experts(*a),
+            "amx w8a8": lambda a=args8: int8_amx.moe_experts(*a),
             "int8": lambda a=args8: int8_kernels.moe_experts(*a),
-            "fp32": lambda a=args32: kernels.moe_experts(*a),
+            "fp32": lambda a=args32: fp32_kernels.moe_experts(*a),
         }
-        if not amx_int8.available():
+        if not int8_amx.available():
             del variants["amx w8a8"]
         reps = 20 if T <= 64 else 3
         t = median_times(variants, args.rounds, reps)
@@ -165,7 +166,7 @@ def main() -> None:
     args.rows = [int(v) for v in args.rows.split(",")]
     args.tokens = [int(v) for v in args.tokens.split(",")]
     torch.set_num_threads(args.threads)
-    if not amx.available():
+    if not bf16_amx.available():
         raise SystemExit("no AMX on this CPU (or the kernel refused the tile state)")
     rows = projections(args)
     print(f"projection N={args.n} K={args.k}, {args.threads} threads, median of {args.rounds}")

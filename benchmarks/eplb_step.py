@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from moeserve.distributed.ep import ExpertPlacement, ep_moe_forward, make_dispatcher  # noqa: E402
 from moeserve.distributed.ep.migrate import move_experts  # noqa: E402
 from moeserve.eplb import imbalance, rank_load, rebalance_experts  # noqa: E402
-from moeserve.ops.cpu import kernels  # noqa: E402
+from moeserve.ops.cpu import fp32 as fp32_kernels  # noqa: E402
 from moeserve.ops.linear import linear  # noqa: E402
 from moeserve.ops.moe import experts_sorted  # noqa: E402
 from moeserve.ops.routing import route_grouped_sigmoid  # noqa: E402
@@ -75,7 +75,7 @@ def worker(rank: int, ep: int, tokens: list[int], iters: int, redundant: int, bi
 
     def gate(x_TD):
         args = (linear(x_TD, router_ED), bias_E, K, N_GROUP, TOPK_GROUP, True, SCALING)
-        return kernels.route_grouped_sigmoid(*args) or route_grouped_sigmoid(*args)
+        return fp32_kernels.route_grouped_sigmoid(*args) or route_grouped_sigmoid(*args)
 
     def run_experts(x_RD, weight_R, slot_counts):
         rows.append(len(x_RD))

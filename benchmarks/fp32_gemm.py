@@ -1,6 +1,6 @@
-"""The fp32 few-row kernels, AVX2 against AVX-512F against MKL, by number of token rows.
+"""The fp32 few-row fp32_kernels, AVX2 against AVX-512F against MKL, by number of token rows.
 
-For each weight shape of the benchmark model and each M it times ``kernels.gemm_nt`` on both
+For each weight shape of the benchmark model and each M it times ``fp32_kernels.gemm_nt`` on both
 ISAs and ``F.linear`` (MKL), interleaved in rounds (the machine's memory bandwidth drifts, so
 the variants of a case are compared within one stretch of time; best of each kept). Each call
 reads another copy of the weight from a set of copies larger than the L3 cache, so the weight
@@ -9,8 +9,8 @@ bytes per call); M <= 8 is bound by the read bandwidth, M >= 16 by the FMA throu
 
     python benchmarks/fp32_gemm.py [--threads 2] [--rows 1 2 4 8 16 32 48 64 96 128]
 
-It also times the per-head GEMMs of MLA's absorbed decode (``kernels.head_gemm_nt``) and the
-one-call MoE kernel (``kernels.moe_experts``) on the benchmark model's layer: 64 routed
+It also times the per-head GEMMs of MLA's absorbed decode (``fp32_kernels.head_gemm_nt``) and the
+one-call MoE kernel (``fp32_kernels.moe_experts``) on the benchmark model's layer: 64 routed
 experts top-6 plus the folded shared-expert slot that takes every token (D 1024, F 512),
 against the per-expert ``F.linear`` loop. Writes the tables' figures as JSON (``--out``).
 """
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from int8_gemm import copies, cycling  # same cold-weight rotation as the int8 benchmark
 
-from moeserve.ops.cpu import kernels
+from moeserve.ops.cpu import fp32 as fp32_kernels
 
 SHAPES = [(1024, 1024), (1024, 512), (1536, 384), (5632, 1024), (32000, 1024)]
 HEAD_SHAPES = [(16, 256, 64), (16, 64, 256)]  # (heads, N, K): q_nope @ W_UK, o_lat @ W_UV
@@ -61,7 +61,9 @@ def variants(isas: list[bool], kernel, reference) -> dict:
 def gemm_case(x: torch.Tensor, ws, isas: list[bool]) -> dict[str, float]:
     y = torch.empty(x.shape[0], ws().shape[0])
     return interleaved_ms(
-        variants(isas, lambda wide: kernels.gemm_nt(x, ws(), y, wide), lambda: F.linear(x, ws()))
+        variants(
+            isas, lambda wide: fp32_kernels.gemm_nt(x, ws(), y, wide), lambda: F.linear(x, ws())
+        )
     )
 
 
@@ -76,7 +78,7 @@ def head_case(x: torch.Tensor, ws, isas: list[bool]) -> dict[str, float]:
     return interleaved_ms(
         variants(
             isas,
-            lambda wide: kernels.head_gemm_nt(x, ws(), avx512=wide),
+            lambda wide: fp32_kernels.head_gemm_nt(x, ws(), avx512=wide),
             lambda: torch.bmm(x, ws().transpose(1, 2)),
         )
     )
@@ -95,7 +97,7 @@ def moe_case(layer, route, x: torch.Tensor, weight: torch.Tensor, isas: list[boo
 
     def kernel(wide: bool) -> None:
         (w13, w2), (experts, counts) = layer(), route()
-        kernels.moe_experts(x, experts, counts, w13, w2, weight, wide)
+        fp32_kernels.moe_experts(x, experts, counts, w13, w2, weight, wide)
 
     def loop() -> None:  # layers/moe.py: experts_sorted's per-expert loop, on MKL
         (w13, w2), (experts, counts) = layer(), route()
@@ -160,10 +162,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/fp32_gemm.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not kernels.available():
+    if not fp32_kernels.available():
         raise SystemExit("the fp32 kernels are not available here (no AVX2/FMA or no compiler)")
     g = torch.Generator().manual_seed(0)
-    isas = [False, True] if kernels.wide() else [False]
+    isas = [False, True] if fp32_kernels.wide() else [False]
     names = [*("AVX-512" if wide else "AVX2" for wide in isas), "MKL"]
     shapes = SHAPES
     if args.shapes:

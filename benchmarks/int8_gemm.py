@@ -9,7 +9,7 @@ its AVX2 path (blocks of rows dequantized for MKL) and dequantizing the whole we
 
     python benchmarks/int8_gemm.py [--threads 2] [--rows 1 4 32] [--prefill-rows 512]
 
-The MoE rows time the one-call routed-expert kernels (fp32 ``kernels.moe_experts``, int8
+The MoE rows time the one-call routed-expert kernels (fp32 ``fp32_kernels.moe_experts``, int8
 ``int8.moe_experts``) on the benchmark model's layer shape.
 """
 
@@ -22,7 +22,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import int8, kernels
+from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu import int8
 from moeserve.ops.formats.int8 import _blocked
 from moeserve.ops.linear import linear as linear_int8
 from moeserve.quant.int8 import Int8Tensor, quantize_rows
@@ -65,7 +66,7 @@ def decode_row(N: int, K: int, M: int, isas: list[bool], g: torch.Generator) -> 
     q, scale = quantize_rows(w)
     ws, qs = cycling(copies(w)), cycling(copies(q))
     x = torch.randn(M, K, generator=g)
-    f32 = best_ms(lambda: kernels.gemm_nt(x, ws()))
+    f32 = best_ms(lambda: fp32_kernels.gemm_nt(x, ws()))
     i8 = [
         best_ms(partial(lambda wide: int8.gemm_nt(x, Int8Tensor(qs(), scale), avx512=wide), wide))
         for wide in isas
@@ -114,7 +115,7 @@ def moe_row(T: int, isas: list[bool], g: torch.Generator) -> str:
     def run_fp32() -> None:
         experts, counts = route()
         w13_, w2_ = dense[:n13].view(E, 2 * F_, D), dense[n13:].view(E, D, F_)
-        kernels.moe_experts(x, experts, counts, w13_, w2_, weight)
+        fp32_kernels.moe_experts(x, experts, counts, w13_, w2_, weight)
 
     def run_int8(wide: bool) -> None:
         flat, (experts, counts) = quant(), route()

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from moeserve.distributed.ep import ExpertPlacement, ep_moe_forward, make_dispatcher  # noqa: E402
-from moeserve.ops.cpu import kernels  # noqa: E402
+from moeserve.ops.cpu import fp32 as fp32_kernels  # noqa: E402
 from moeserve.ops.linear import linear  # noqa: E402
 from moeserve.ops.moe import experts_sorted  # noqa: E402
 from moeserve.ops.routing import route_grouped_sigmoid  # noqa: E402
@@ -60,7 +60,7 @@ def build_layer(rank: int, placement: ExpertPlacement):
 
     def gate(x_TD):
         args = (linear(x_TD, router_ED), bias_E, K, N_GROUP, TOPK_GROUP, True, SCALING)
-        return kernels.route_grouped_sigmoid(*args) or route_grouped_sigmoid(*args)
+        return fp32_kernels.route_grouped_sigmoid(*args) or route_grouped_sigmoid(*args)
 
     def experts(x_RD, weight_R, slot_counts):
         return experts_sorted(x_RD, weight_R, list(slot_counts), w13_SFD, w2_SDF)
@@ -164,7 +164,7 @@ def main() -> None:
         torch=torch.__version__,
         machine=platform.machine(),
         cores=cores,
-        kernels=kernels.available(),
+        kernels=fp32_kernels.available(),
         command=" ".join(sys.argv),
         loadavg_at_end=os.getloadavg(),
     )

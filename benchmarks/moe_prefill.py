@@ -40,7 +40,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from moeserve.ops.cpu import int8, kernels  # noqa: E402
+from moeserve.ops.cpu import fp32 as fp32_kernels  # noqa: E402
+from moeserve.ops.cpu import int8  # noqa: E402
 from moeserve.ops.cpu.hugepages import huge_page_zeros  # noqa: E402
 from moeserve.quant.int8 import Int8Tensor, quantize_rows  # noqa: E402
 
@@ -76,7 +77,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench_out" / "moe_prefill.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lib = int8 if args.format == "int8" else kernels
+    lib = int8 if args.format == "int8" else fp32_kernels
     if not lib.available():
         sys.exit("the CPU kernels are not available here")
     mkl_min_rows = lib.MKL_MIN_ROWS if args.mkl_min_rows is None else args.mkl_min_rows

@@ -384,12 +384,12 @@ def main() -> None:
     global PROMPT_SEED_OFFSET
     PROMPT_SEED_OFFSET = args.prompt_seed_offset
     if args.formats is None:
-        from moeserve.ops.cpu import amx, amx_int8
+        from moeserve.ops.cpu import bf16_amx, int8_amx
 
         cpu = args.device == "cpu"
         args.formats = "fp32,int8"
-        args.formats += ",w8a8_int8" if cpu and amx_int8.available() else ""
-        args.formats += ",bf16" if cpu and amx.available() else ""
+        args.formats += ",w8a8_int8" if cpu and int8_amx.available() else ""
+        args.formats += ",bf16" if cpu and bf16_amx.available() else ""
     formats = args.formats.split(",")
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(bench_model_path())

@@ -141,20 +141,20 @@ def measure_gemm_peak(
 ) -> float:
     """Best FLOP/s of ``F.linear`` in ``dtype`` over a few large shapes (the prefill ceiling);
     on a CPU also of moeserve's own kernel (fp32: at its largest row block,
-    ``ops/cpu/kernels.py``, which outruns MKL where it has AVX-512; bf16: the AMX kernel,
-    ``ops/cpu/amx.py``), so that no case can pass 100%. bf16 on a CPU without AMX: the fp32
+    ``ops/cpu/fp32.py``, which outruns MKL where it has AVX-512; bf16: the AMX kernel,
+    ``ops/cpu/bf16_amx.py``), so that no case can pass 100%. bf16 on a CPU without AMX: the fp32
     figure (the bf16 weight format then computes in fp32). int8: the int8 AMX kernel
-    (``ops/cpu/amx_int8.py``, int8 operations per second), else the fp32 figure."""
+    (``ops/cpu/int8_amx.py``, int8 operations per second), else the fp32 figure."""
     if dtype == torch.int8:
-        from moeserve.ops.cpu import amx_int8
+        from moeserve.ops.cpu import int8_amx
 
-        if device != "cpu" or not amx_int8.available():
+        if device != "cpu" or not int8_amx.available():
             return measure_gemm_peak(device, repeats)
         return _amx_int8_gemm_peak(repeats)
     if dtype == torch.bfloat16 and device == "cpu":
-        from moeserve.ops.cpu import amx
+        from moeserve.ops.cpu import bf16_amx
 
-        if not amx.available():
+        if not bf16_amx.available():
             return measure_gemm_peak(device, repeats)
         best = _amx_gemm_peak(repeats)
     else:
@@ -190,36 +190,36 @@ def _best_gemm_rate(gemm, shapes, weight, repeats: int) -> float:
 def _amx_int8_gemm_peak(repeats: int) -> float:
     """The int8 AMX kernel (w8a8_int8) at the rows of a prefill MoE expert and of a
     projection, and at 512 rows where it peaks (benchmarks/amx_gemm.py)."""
-    from moeserve.ops.cpu import amx_int8
+    from moeserve.ops.cpu import int8_amx
     from moeserve.quant.int8 import Int8Tensor, quantize_rows
 
     shapes = ((192, 4096, 1024), (512, 2816, 2048), (2048, 2048, 1024))
     weight = lambda n, k: Int8Tensor(*quantize_rows(torch.randn(n, k)))  # noqa: E731
-    return _best_gemm_rate(amx_int8.gemm_nt, shapes, weight, repeats)
+    return _best_gemm_rate(int8_amx.gemm_nt, shapes, weight, repeats)
 
 
 def _amx_gemm_peak(repeats: int) -> float:
     """The AMX kernel on fp32 rows and bf16 weights (what --quantization bf16 runs), at the
     rows of a 2048-token prefill's MoE expert and of a projection."""
-    from moeserve.ops.cpu import amx
+    from moeserve.ops.cpu import bf16_amx
 
     shapes = ((192, 4096, 1024), (2048, 2048, 1024))
     weight = lambda n, k: torch.randn(n, k, dtype=torch.bfloat16)  # noqa: E731
-    return _best_gemm_rate(amx.gemm_nt, shapes, weight, repeats)
+    return _best_gemm_rate(bf16_amx.gemm_nt, shapes, weight, repeats)
 
 
 def _kernel_gemm_peak(repeats: int) -> float:
-    from moeserve.ops.cpu import kernels
+    from moeserve.ops.cpu import fp32 as fp32_kernels
 
-    m, n, k = kernels.MAX_ROWS, 4096, 1024
+    m, n, k = fp32_kernels.MAX_ROWS, 4096, 1024
     x, w = torch.randn(m, k), torch.randn(n, k)
-    if not kernels.usable(x, w):
+    if not fp32_kernels.usable(x, w):
         return 0.0
     out = torch.empty(m, n)
-    kernels.gemm_nt(x, w, out=out)
+    fp32_kernels.gemm_nt(x, w, out=out)
     best = 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
-        kernels.gemm_nt(x, w, out=out)
+        fp32_kernels.gemm_nt(x, w, out=out)
         best = max(best, 2 * m * n * k / (time.perf_counter() - t0))
     return best

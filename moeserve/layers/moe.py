@@ -17,7 +17,7 @@ from moeserve.distributed.groups import Axis
 from moeserve.layers.linear import shard_range
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
-from moeserve.ops.cpu import kernels
+from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.linear import linear
 from moeserve.ops.moe import experts_sorted, moe_grouped
 from moeserve.ops.routing import route_grouped_sigmoid, route_softmax
@@ -58,7 +58,7 @@ class Router(nn.Module):
                 c.norm_topk_prob,
                 c.routed_scaling_factor,
             )
-            fast = kernels.route_grouped_sigmoid(*args, counts_E=counts_E, extra_id=extra_id)
+            fast = fp32_kernels.route_grouped_sigmoid(*args, counts_E=counts_E, extra_id=extra_id)
             if fast is not None:  # counted and extended in C
                 return fast
             topk_w_TK, topk_ids_TK = route_grouped_sigmoid(*args)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.ops.cpu import kernels
+from moeserve.ops.cpu import fp32 as fp32_kernels
 
 
 class RMSNorm(nn.Module):
@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         # the kernel for decode rows with the weight bound, on first use
-        self._kernel: kernels.BoundRMSNorm | None = None
+        self._kernel: fp32_kernels.BoundRMSNorm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -33,11 +33,11 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def decode_rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The kernel (``kernels.c``) for a few fp32 rows ``x [M, D]`` with unit-stride rows
+        """The kernel (``fp32.c``) for a few fp32 rows ``x [M, D]`` with unit-stride rows
         (a column slice is fine), into ``out [M, D]`` when given; None when it does not apply
         (the caller then runs ``F.rms_norm``, the reference)."""
         k = self._kernel
         if k is None or not k.fresh(self.weight):
             # first call, or the weight was replaced or moved
-            k = self._kernel = kernels.BoundRMSNorm.bind(self.weight, self.eps)
+            k = self._kernel = fp32_kernels.BoundRMSNorm.bind(self.weight, self.eps)
         return None if k is None else k(x, out)

@@ -26,7 +26,7 @@ from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
-from moeserve.ops.cpu import kernels
+from moeserve.ops.cpu import fp32 as fp32_kernels
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ def prefers_kn_layout(device: torch.device, dtype: torch.dtype) -> bool:
     """Without the few-row kernel (``ops/cpu``), MKL's fp32 GEMMs with few rows (decode) stream
     a ``[K, N]`` weight ~1.2-2x faster than an ``[N, K]`` one on AVX2 CPUs (measured:
     docs/benchmarks.md); the kernel and bf16 want ``[N, K]``."""
-    return device.type == "cpu" and dtype == torch.float32 and not kernels.available()
+    return device.type == "cpu" and dtype == torch.float32 and not fp32_kernels.available()
 
 
 @torch.no_grad()

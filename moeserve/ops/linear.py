@@ -1,9 +1,9 @@
 """``linear(x, w, bias)``: the projection every layer calls, run by the weight's format.
 
 Each format (``ops/formats``) picks its fastest kernel: few-row fp32 inputs on AVX2 CPUs
-(decode) the streaming kernel of ``ops/cpu/kernels.c``; bf16 weights on CPUs with AMX
-``ops/cpu/amx.c``; int8 weights ``ops/cpu/int8.c`` (and, for w8a8_int8 on AMX,
-``ops/cpu/amx_int8.c``). Everything else, and the reference, is ``F.linear`` (a weight held
+(decode) the streaming kernel of ``ops/cpu/fp32.c``; bf16 weights on CPUs with AMX
+``ops/cpu/bf16_amx.c``; int8 weights ``ops/cpu/int8.c`` (and, for w8a8_int8 on AMX,
+``ops/cpu/int8_amx.c``). Everything else, and the reference, is ``F.linear`` (a weight held
 narrower than the activations widened per call).
 """
 

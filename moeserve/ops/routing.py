@@ -1,5 +1,5 @@
 """The routers' rules in plain torch: DeepSeek-V3's grouped sigmoid routing (the reference of
-``ops/cpu/kernels.c: moeserve_route_grouped_sigmoid``, which ``layers/moe.py: Router`` calls
+``ops/cpu/fp32.c: moeserve_route_grouped_sigmoid``, which ``layers/moe.py: Router`` calls
 first for few fp32 rows) and Qwen-MoE's softmax top-k.
 
 Shape legend: T tokens, E experts, G groups, K top-k.

@@ -47,7 +47,7 @@ class Device:
     small_gemm_m_half: float = 0.0
     expert_m_half: float | None = None  # rows per expert at half the expert kernel's rate
     # experts with at least this many rows in a step run as plain GEMMs (the large-GEMM path)
-    # instead of the expert kernel (moeserve's CPU MoE: kernels.MKL_MIN_ROWS); 0: never
+    # instead of the expert kernel (moeserve's CPU MoE: ops/cpu/fp32.MKL_MIN_ROWS); 0: never
     expert_gemm_min_rows: int = 0
     # the prefill attention core (scores, mask, softmax, values, with its copies) against a
     # plain GEMM of the same FLOPs at the same rows

@@ -48,7 +48,7 @@ def test_w8a8_layout_runs_and_stays_near(checkpoint, tmp_path, layout):
     """w8a8_int8 under each layout. Expert parallelism moves rows, not their values: the
     result is one process's up to the order of sums (measured gap 0.006). Under TP a
     row-parallel layer rounds each rank's K shard of a row on its own grid (0.16 from one
-    process), so TP is held to the int8 oracle's bound of tests/unit/quant/
+    process), so TP is held to the int8 oracle's bound of tests/unit/ops/
     test_w8a8_format.py instead (measured 0.11)."""
     one = LLM(str(checkpoint), max_num_seqs=2, quantization="w8a8_int8", **ENGINE)
     single = one.generate(PROMPTS, PARAMS)

@@ -123,9 +123,9 @@ def _fill_random(module: torch.nn.Module, scale: float, int8: bool) -> None:
 def test_mla_decode_calls_equal_the_torch_path(B, int8):
     """The prebound decode calls (``MLADecodeCalls``) give the same output and cache rows, bit
     for bit, as the per-op path they replace, over several steps of B decodes."""
-    from moeserve.ops.cpu import kernels
+    from moeserve.ops.cpu import fp32 as fp32_kernels
 
-    if not kernels.available():
+    if not fp32_kernels.available():
         pytest.skip("no CPU kernels here")
     attn = _random_mla(int8)
     bs = 4
@@ -160,10 +160,10 @@ def test_moe_decode_calls_equal_the_torch_path(T, int8):
     """The prebound MoE decode calls (``MoEDecodeCalls``: routing, sort, one-call experts,
     combine) give the same output and expert counts, bit for bit, as the torch path."""
     from moeserve.layers.moe_block import MoEBlock
-    from moeserve.ops.cpu import kernels
+    from moeserve.ops.cpu import fp32 as fp32_kernels
     from moeserve.ops.cpu.moe_decode import MoEDecodeCalls
 
-    if not kernels.available():
+    if not fp32_kernels.available():
         pytest.skip("no CPU kernels here")
     raw = {**DEEPSEEK_KW, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
     cfg = ModelConfig.from_hf(raw)
@@ -189,9 +189,9 @@ def test_moe_decode_calls_equal_the_torch_path(T, int8):
 def test_mla_decode_calls_follow_moved_weights():
     """Weights moved after the calls were bound (``p.data`` replaced, as the huge-page move
     does) are bound again, not read at their old address."""
-    from moeserve.ops.cpu import kernels
+    from moeserve.ops.cpu import fp32 as fp32_kernels
 
-    if not kernels.available():
+    if not fp32_kernels.available():
         pytest.skip("no CPU kernels here")
     attn = _random_mla(int8=False)
     attn.kv_cache = torch.zeros(8 * 4, attn.C + attn.R)

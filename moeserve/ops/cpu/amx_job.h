@@ -3,8 +3,8 @@
  * rows 0-15 x block 0, 1: x block 1, 2-3: rows 16-31), the result tiles handed to the
  * format's store. Included once by each AMX kernel inside its target section, after
  * amx_tiles.h and panels.h (not a translation unit of its own); the includer defines
- *   AJ_T       the weight and packed-row element (uint16_t: bf16 in amx.c, int8_t in
- *              amx_int8.c)
+ *   AJ_T       the weight and packed-row element (uint16_t: bf16 in bf16_amx.c, int8_t in
+ *              int8_amx.c)
  *   AJ_KT      k per tile row: 64 bytes of AJ_T (32 bf16, 64 int8)
  *   AJ_DP      the tile product (_tile_dpbf16ps, _tile_dpbssd)
  *   AJ_OUT     the output's struct: p, ld and by_column (the 4-byte accumulator tiles stored

@@ -1,4 +1,4 @@
-/* What every AMX kernel of this folder (amx.c: bf16, amx_int8.c: int8) needs before its first
+/* What every AMX kernel of this folder (bf16_amx.c: bf16, int8_amx.c: int8) needs before its first
  * tile instruction: the process's permission for the tile state and each thread's tile
  * configuration (eight 16 x 64-byte tiles). Include inside a section whose target has
  * amx-tile; not a translation unit of its own. */

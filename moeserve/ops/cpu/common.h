@@ -1,4 +1,4 @@
-/* Helpers shared by the C kernels of this folder (attention.c, kernels.c, int8.c): a vector
+/* Helpers shared by the C kernels of this folder (attention.c, fp32.c, int8.c): a vector
  * e^x, the gated activation of the MoE layers, and how an MoE call's jobs are split among
  * threads. AVX2+FMA only (the baseline of every kernel here). build.py hashes this header
  * with each source, so a change to it rebuilds them. */

@@ -3,7 +3,7 @@
  *
  *   y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N]       the scale is applied once per output
  *
- * Like the fp32 kernel (kernels.c), each weight row is streamed from memory once: the
+ * Like the fp32 kernel (fp32.c), each weight row is streamed from memory once: the
  * threads share out panels of PANEL weight rows, and each pair of rows in a panel is dotted
  * with blocks of token rows. With 4x fewer weight bytes than fp32, the work per byte
  * (int8 -> fp32 conversion, then one FMA per token row) decides the speed from about 2 rows
@@ -127,7 +127,7 @@ void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x
 }
 
 /* Routed experts for few rows, one call per MoE layer: the int8 twin of moeserve_moe_small
- * (kernels.c). For each group g (rows [start[g], start[g] + count[g]) of x, all routed to
+ * (fp32.c). For each group g (rows [start[g], start[g] + count[g]) of x, all routed to
  * expert[g]):
  *   h = (x_g @ q13[e]^T) * s13[e]           (gate rows then up rows: [count, 2F])
  *   a = silu(h[:, :F]) * h[:, F:]            (written over h[:, :F])
@@ -344,7 +344,7 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
     const int64_t panels13 = (2 * F + PANEL - 1) / PANEL, panels2 = (D + PANEL - 1) / PANEL;
 #pragma omp parallel
     {
-        /* contiguous shares of equal cost, as in kernels.c */
+        /* contiguous shares of equal cost, as in fp32.c */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t lo13, end13;
         moe_share(n_groups, count, panels13, t, nt, &lo13, &end13);

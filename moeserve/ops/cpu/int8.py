@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.bound import BoundGemm, MoEBuffers, on_cpu_contiguous, pointers
 from moeserve.ops.cpu.build import I64, INT, PTR
-from moeserve.ops.cpu.kernels import few_rows, moe_call_split, wide  # shared with fp32
+from moeserve.ops.cpu.fp32 import few_rows, moe_call_split, wide  # shared with fp32
 from moeserve.quant.int8 import Int8Tensor
 
 _SOURCE = Path(__file__).with_name("int8.c")
 MAX_ROWS = 64
 # In one MoE call, an expert with at least this many rows is dequantized and runs as two MKL
-# GEMMs instead of in the kernel (kernels.MKL_MIN_ROWS is the fp32 twin). With the AVX2
+# GEMMs instead of in the kernel (fp32.MKL_MIN_ROWS is the fp32 twin). With the AVX2
 # kernel (benchmarks/moe_prefill.py --format int8 with MKL limited to AVX2 too) from 64 rows:
 # 2048 tokens 1.41x the kernel alone, 512 tokens (only the folded shared expert) 1.07x, while
 # 16 rows lost 3-4%. With AVX-512 never (None): the call's packed-panel path (moe_packed.h)
@@ -54,7 +54,7 @@ def moe_int8_ref(
 ) -> torch.Tensor:
     """Reference of :func:`moe_experts`: rows sorted by expert (``counts[i]`` rows for
     ``experts[i]``) through their expert's gated FFN with ``gemm(x, w)`` (by default
-    :func:`linear_int8_ref`; ``amx_int8.moe_ref`` passes its own), each scaled by its routing
+    :func:`linear_int8_ref`; ``int8_amx.moe_ref`` passes its own), each scaled by its routing
     weight."""
     if gemm is None:
         gemm = lambda x, w: linear_int8_ref(x, w.q, w.scale)  # noqa: E731

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.ops.cpu import attention as cpu_attention
-from moeserve.ops.cpu import kernels, rope
+from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu import rope
 from moeserve.ops.cpu.bound import BoundHeadGemm, Pointers, pointers
 
 
@@ -67,11 +68,11 @@ class MLADecodeCalls:
     def __init__(self, w: MLADecodeWeights) -> None:
         self.w = w
         self.cache = w.cache
-        self.max_rows = min(w.qkv_a.max_rows, w.q_b.max_rows, w.o.max_rows, kernels.MAX_ROWS)
-        self.norm_fn = kernels._library().moeserve_rms_norm
+        self.max_rows = min(w.qkv_a.max_rows, w.q_b.max_rows, w.o.max_rows, fp32_kernels.MAX_ROWS)
+        self.norm_fn = fp32_kernels._library().moeserve_rms_norm
         self.rope_fn = rope._library().moeserve_mla_rope_cache
         self.attn_fn = cpu_attention._library().moeserve_paged_decode_attention
-        self.wide = int(kernels.wide())
+        self.wide = int(fp32_kernels.wide())
         norms = [w.kv_norm] + ([w.q_norm] if w.Q else [])
         self.pointers: Pointers = pointers(*norms, w.cos, w.sin, w.uk.w, w.uv.w, w.cache)
         self.pointers += w.qkv_a.pointers + w.q_b.pointers + w.o.pointers
@@ -101,7 +102,7 @@ class MLADecodeCalls:
             and w.H <= cpu_attention.MAX_HEADS_PER_KV
             and w.R <= 2 * rope.MAX_HALF
             and w.cos.shape[1] * 2 == w.R
-            and kernels.available()
+            and fp32_kernels.available()
             and cpu_attention.available()
             and rope._library() is not None
             and all(p.kernel is not None for p in (w.qkv_a, w.q_b, w.o))

@@ -5,7 +5,7 @@ Shape legend: T tokens, D model dim, F expert FFN dim, E logical experts, K choi
 rows).
 
 Per step: the router logits (the gate's bound GEMM), DeepSeek's grouped sigmoid routing
-(``kernels.c``, the choices counted), the pairs sorted by expert and gathered
+(``fp32.c``, the choices counted), the pairs sorted by expert and gathered
 (``moe_sort.c``), the format's one-call MoE kernel (:class:`~moeserve.ops.cpu.bound.
 BoundExperts`), the rows added back per token. Every argument is derived when the row count
 changes, so a step is five ctypes calls. ``ops/moe.py: moe_grouped`` (with the router's torch
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.ops.cpu import kernels, moe_sort
+from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu import moe_sort
 from moeserve.ops.cpu.bound import BoundExperts, MoEBuffers, Pointers, pointers
 
 
@@ -67,7 +68,7 @@ class MoEDecodeCalls:
         self.gate, self.experts = gate, experts
         self.num_slots, self.D, self.F, self.extra = num_slots, D, F, extra
         self.K = r.top_k + (extra >= 0)
-        self.route_fn = kernels._library().moeserve_route_grouped_sigmoid
+        self.route_fn = fp32_kernels._library().moeserve_route_grouped_sigmoid
         self.route_const = (r.num_experts, r.n_group, r.topk_group, r.top_k)
         self.route_mid = (None if bias_E is None else bias_E.data_ptr(), int(r.norm_topk_prob))
         self.route_mid += (r.scaling,)
@@ -99,7 +100,7 @@ class MoEDecodeCalls:
             and counts_E.dtype == torch.int64
             and counts_E.is_contiguous()
             and routing.kernel_ok()
-            and kernels.available()
+            and fp32_kernels.available()
             and moe_sort.available()
         )
         if not ok:
@@ -130,7 +131,7 @@ class MoEDecodeCalls:
     def __call__(self, x_TD: torch.Tensor) -> torch.Tensor | None:
         """The routed (and folded shared) experts' output ``[T, D]`` for few fp32 rows, the
         choices counted; None, having done nothing, where the kernels do not take them."""
-        if not kernels.few_rows(x_TD, self.max_rows):
+        if not fp32_kernels.few_rows(x_TD, self.max_rows):
             return None
         T = x_TD.shape[0]
         if T != self.T:

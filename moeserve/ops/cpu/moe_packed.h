@@ -1,7 +1,7 @@
 /* Many-row GEMMs on AVX-512 through packed panels: prefill's MoE layer and int8 projections.
  *
  * Included inside an AVX-512F section once per weight format, after that format's kernels:
- * by kernels.c for fp32 weights and by int8.c for int8 ones (not a translation unit of its
+ * by fp32.c for fp32 weights and by int8.c for int8 ones (not a translation unit of its
  * own). The panels and the tile are panels.h's. The includer defines
  *   PK_T                  the weight element (float, int8_t)
  *   PK_SFX                the suffix of this format's functions (moe_panels##PK_SFX)

@@ -17,7 +17,7 @@ import torch
 
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.build import F32, I64, INT, PTR
-from moeserve.ops.cpu.kernels import wide
+from moeserve.ops.cpu.fp32 import wide
 
 _SOURCE = Path(__file__).with_name("prefill_attention.c")
 

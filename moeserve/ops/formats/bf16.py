@@ -1,4 +1,4 @@
-"""bf16 weights on AMX (``ops/cpu/amx.c``): the tiles take the weight straight from its
+"""bf16 weights on AMX (``ops/cpu/bf16_amx.c``): the tiles take the weight straight from its
 ``[N, K]`` rows and fp32 or bf16 activations (fp32 rows are rounded to bf16 as they are
 packed), for decode and prefill alike. Elsewhere the weight is widened per call.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.ops.cpu import amx
+from moeserve.ops.cpu import bf16_amx
 from moeserve.ops.formats.base import WeightFormat
 
 
@@ -22,45 +22,45 @@ class Bf16Format(WeightFormat):
     absorbed_bytes = 2.0
 
     def kernels_available(self) -> bool:
-        return amx.available()
+        return bf16_amx.available()
 
     def make_weight(self, p):
         w = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
         return nn.Parameter(w, requires_grad=False)
 
     def linear(self, x, w, bias=None):
-        if amx.usable(x, w):
-            y = amx.gemm_nt(x, w)
+        if bf16_amx.usable(x, w):
+            y = bf16_amx.gemm_nt(x, w)
             return y if bias is None else y.add_(bias)
         return super().linear(x, w, bias)
 
     def linear_into(self, x, w, out):
         if (
-            amx.usable(x, w)
+            bf16_amx.usable(x, w)
             and out.stride(-1) == 1
             and out.dtype in (torch.bfloat16, torch.float32)
         ):
-            return amx.gemm_nt(x, w, out=out)
+            return bf16_amx.gemm_nt(x, w, out=out)
         return super().linear_into(x, w, out)
 
     def moe_experts(self, x_RD, experts, counts, w13_EFD, w2_EDF, weight_R):
-        if amx.moe_usable(x_RD, counts, w13_EFD, w2_EDF):
-            return amx.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
+        if bf16_amx.moe_usable(x_RD, counts, w13_EFD, w2_EDF):
+            return bf16_amx.moe_experts(x_RD, experts, counts, w13_EFD, w2_EDF, weight_R)
         return None
 
     def head_gemm(self, x_HMK, w_HNK, out_HMN):
-        if amx.head_usable(x_HMK, w_HNK):
-            return amx.head_gemm_nt(x_HMK, w_HNK, out_HMN)
+        if bf16_amx.head_usable(x_HMK, w_HNK):
+            return bf16_amx.head_gemm_nt(x_HMK, w_HNK, out_HMN)
         return super().head_gemm(x_HMK, w_HNK, out_HMN)
 
     def bind_linear(self, w, fallback):
-        return amx.bind_gemm(w, fallback)
+        return bf16_amx.bind_gemm(w, fallback)
 
     def bind_moe(self, w13_EFD, w2_EDF):
-        return amx.BoundMoE.bind(w13_EFD, w2_EDF)
+        return bf16_amx.BoundMoE.bind(w13_EFD, w2_EDF)
 
     def bind_head_gemm(self, w_HNK):
-        return amx.bind_head_gemm(w_HNK)
+        return bf16_amx.bind_head_gemm(w_HNK)
 
 
 FORMAT = Bf16Format("bf16")

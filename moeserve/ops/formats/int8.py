@@ -10,7 +10,7 @@
                                        buffer that stays in cache, each block an MKL GEMM
                                        (as fast as dequantizing all first, without the
                                        full-size buffer: benchmarks/int8_gemm.py)
-    anywhere else (CUDA, no kernels)   the reference, ops/cpu/int8.py: linear_int8_ref
+    anywhere else (CUDA, no int8_kernels)   the reference, ops/cpu/int8.py: linear_int8_ref
 
 Activations of another dtype (bf16) are computed in fp32 and cast back. The routed experts of
 a layer run in one call of ``moeserve_int8_moe_small``.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.ops.cpu import int8 as kernels
+from moeserve.ops.cpu import int8 as int8_kernels
 from moeserve.ops.formats.base import WeightFormat
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, as_int8
 
@@ -34,7 +34,7 @@ class Int8Format(WeightFormat):
     rounds_activations = False  # w8a8_int8: every GEMM rounds its input rows to int8
 
     def kernels_available(self) -> bool:
-        return kernels.available()
+        return int8_kernels.available()
 
     def make_weight(self, p):
         return Int8Weight(tuple(p.shape), device=p.device, weight_format=self.name)
@@ -48,8 +48,8 @@ class Int8Format(WeightFormat):
 
     def linear(self, x, w, bias=None):
         w = as_int8(w)
-        if bias is None and not self.rounds_activations and kernels.usable(x, w):  # decode
-            return kernels.gemm_nt(x, w)
+        if bias is None and not self.rounds_activations and int8_kernels.usable(x, w):  # decode
+            return int8_kernels.gemm_nt(x, w)
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         y = self.matmul(x2 if x2.dtype == torch.float32 else x2.float(), w, None)
@@ -74,27 +74,27 @@ class Int8Format(WeightFormat):
 
     def moe_experts(self, x_RD, experts, counts, w13_EFD, w2_EDF, weight_R):
         q13, q2 = as_int8(w13_EFD), as_int8(w2_EDF)
-        if kernels.moe_usable(x_RD, counts, q13, q2):
-            return kernels.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
+        if int8_kernels.moe_usable(x_RD, counts, q13, q2):
+            return int8_kernels.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
         return None
 
     def bind_linear(self, w, fallback):
-        return kernels.bind_gemm(as_int8(w), fallback)
+        return int8_kernels.bind_gemm(as_int8(w), fallback)
 
     def bind_moe(self, w13_EFD, w2_EDF):
-        return kernels.BoundMoE.bind(as_int8(w13_EFD), as_int8(w2_EDF))
+        return int8_kernels.BoundMoE.bind(as_int8(w13_EFD), as_int8(w2_EDF))
 
 
 def _int8_matmul(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """The weight-only paths of :meth:`Int8Format.matmul` (``x`` with unit-stride rows)."""
-    if kernels.usable(x, w):
-        return kernels.gemm_nt(x, w, out=out)
+    if int8_kernels.usable(x, w):
+        return int8_kernels.gemm_nt(x, w, out=out)
     M, N = x.shape[0], w.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    if x.device.type == "cpu" and M > 0 and kernels.available() and w.q.stride(1) == 1:
+    if x.device.type == "cpu" and M > 0 and int8_kernels.available() and w.q.stride(1) == 1:
         return _blocked(x, w, out)
-    return out.copy_(kernels.linear_int8_ref(x, w.q, w.scale))
+    return out.copy_(int8_kernels.linear_int8_ref(x, w.q, w.scale))
 
 
 def _blocked(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _blocked(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor) -> torch.Tensor:
     buf = torch.empty(nb, K, dtype=torch.float32)
     for n0 in range(0, N, nb):
         n1 = min(N, n0 + nb)
-        b = kernels.dequantize_into(w[n0:n1], buf[: n1 - n0])
+        b = int8_kernels.dequantize_into(w[n0:n1], buf[: n1 - n0])
         out[:, n0:n1] = x @ b.t()
     return out
 

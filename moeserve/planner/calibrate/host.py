@@ -105,27 +105,27 @@ def kernel_variant() -> str:
     """Which fp32 kernels the engine runs here (the calibration times those)."""
     import torch
 
-    from moeserve.ops.cpu import kernels
+    from moeserve.ops.cpu import fp32 as fp32_kernels
 
     mkl = "MKL" if torch.backends.mkl.is_available() else "torch"
-    if not kernels.available():
-        return f"torch reference for few rows (no compiled kernels), {mkl} for many"
-    isa = "AVX-512F" if kernels.wide() else "AVX2+FMA"
+    if not fp32_kernels.available():
+        return f"torch reference for few rows (no compiled fp32_kernels), {mkl} for many"
+    isa = "AVX-512F" if fp32_kernels.wide() else "AVX2+FMA"
     return (
-        f"ops/cpu/kernels.c {isa} for <= {kernels.MAX_ROWS} rows and the MoE, {mkl} for more rows"
+        f"ops/cpu/fp32.c {isa} for <= {fp32_kernels.MAX_ROWS} rows and the MoE, {mkl} for more rows"
     )
 
 
 def kernel_max_rows() -> int:
     """Rows up to which ``linear`` runs the engine's own kernel (0: MKL for every count)."""
-    from moeserve.ops.cpu import kernels
+    from moeserve.ops.cpu import fp32 as fp32_kernels
 
-    return kernels.MAX_ROWS if kernels.available() else 0
+    return fp32_kernels.MAX_ROWS if fp32_kernels.available() else 0
 
 
 def expert_gemm_min_rows() -> int:
     """Rows from which the engine's MoE call runs an expert as MKL GEMMs here (0: never, or
-    no kernels)."""
-    from moeserve.ops.cpu import kernels
+    no fp32_kernels)."""
+    from moeserve.ops.cpu import fp32 as fp32_kernels
 
-    return (kernels.mkl_min_rows() or 0) if kernels.available() else 0
+    return (fp32_kernels.mkl_min_rows() or 0) if fp32_kernels.available() else 0

@@ -234,7 +234,7 @@ def _device_section(run: _Calibration, numa: int, bw: dict, gemm: _GemmFit) -> d
         "matmul_efficiency": _fig(1.0, f"{cal}: the fitted peak is what GEMMs reach"),
         "gemm_m_half": _fig(gemm.m_half, f"{cal}: fitted to the GEMMs of the MKL rows"),
         "small_gemm_max_rows": _fig(
-            small_rows, "moeserve/ops/cpu/kernels.py: MAX_ROWS (0: no compiled kernels)"
+            small_rows, "moeserve/ops/cpu/fp32.py: MAX_ROWS (0: no compiled kernels)"
         ),
         "small_gemm_tflops": _fig(
             gemm.small_peak / 1e12, f"{cal}: fitted to the GEMMs of rows 1..{small_rows}"
@@ -244,7 +244,7 @@ def _device_section(run: _Calibration, numa: int, bw: dict, gemm: _GemmFit) -> d
         ),
         "expert_gemm_min_rows": _fig(
             expert_gemm_min_rows(),
-            "moeserve/ops/cpu/kernels.py: mkl_min_rows() here (0: never, or no kernels)",
+            "moeserve/ops/cpu/fp32.py: mkl_min_rows() here (0: never, or no kernels)",
         ),
         "expert_efficiency": _fig(1.0, "placeholder, fitted below"),
         # the engine's weights stream through its own kernel: what a 1-row GEMM over

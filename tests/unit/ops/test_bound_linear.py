@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.ops.cpu import kernels
+from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.linear import BoundLinear, linear
 from moeserve.quant.int8 import Int8Weight
 
@@ -21,9 +21,9 @@ def test_bound_linear_equals_linear(M, int8):
         w.copy_(dense)
     x = torch.randn(M, 40, generator=g)
     bound = BoundLinear(w)
-    if kernels.available():
+    if fp32_kernels.available():
         assert bound.kernel is not None and bound.pointers
     want = linear(x, w)
-    assert torch.equal(bound(x), want)  # 200 rows: beyond the kernels, through linear
+    assert torch.equal(bound(x), want)  # 200 rows: beyond the fp32_kernels, through linear
     out = torch.full((M, 2 * 48), float("nan"))[:, :48]  # a strided destination
     assert bound(x, out) is out and torch.equal(out, want)

@@ -1,4 +1,4 @@
-"""The w8a8_int8 kernels of ``amx_int8.c`` (int8 weights times activations quantized to int8
+"""The w8a8_int8 kernels of ``int8_amx.c`` (int8 weights times activations quantized to int8
 per token row, on AMX's TDPBSSD) and their pure-torch references.
 
     s[m] = max|x[m]| / 127,   xq[m] = round(x[m] * (127 / max|x[m]|))      (0 for a zero row)
@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 
 from moeserve.ops.cpu import build
-from moeserve.ops.cpu.amx import aligned_empty, load_amx_library
+from moeserve.ops.cpu.bf16_amx import aligned_empty, load_amx_library
 from moeserve.ops.cpu.bound import BoundGemm, MoEBuffers, on_cpu_contiguous, pointers
 from moeserve.ops.cpu.build import I64, INT, PTR
 from moeserve.ops.cpu.int8 import MAX_ROWS as INT8_ROWS
 from moeserve.ops.cpu.int8 import moe_int8_ref
 from moeserve.quant.int8 import Int8Tensor
 
-_SOURCE = Path(__file__).with_name("amx_int8.c")
+_SOURCE = Path(__file__).with_name("int8_amx.c")
 _FLAGS = {"amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 K_ALIGN, N_ALIGN = 64, 16  # a tile row holds 64 int8 of k; a tile 16 weight rows
 QMAX = 127

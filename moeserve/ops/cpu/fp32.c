@@ -13,11 +13,11 @@
  * for AVX-512F with `#pragma GCC target` (16 lanes, 32 registers: from QUAD_MIN token rows on,
  * where the FMAs and the token rows' loads bound the speed rather than the weight stream,
  * quads of weight rows against blocks of 6 token rows, so each loaded token vector feeds 4
- * FMAs; fewer rows run the pairs). The caller picks one per call (`wide`), ops/cpu/kernels.py
+ * FMAs; fewer rows run the pairs). The caller picks one per call (`wide`), ops/cpu/fp32.py
  * from the CPU's flags. An AVX-512 MoE call in which an expert has PACK_MIN_ROWS rows or more
  * (prefill) runs moe_packed.h instead: packed weight panels and an outer-product tile.
  *
- * Compiled at first use (moeserve/ops/cpu/kernels.py) with -fopenmp; loaded after torch,
+ * Compiled at first use (moeserve/ops/cpu/fp32.py) with -fopenmp; loaded after torch,
  * it shares torch's OpenMP runtime and thread count.
  */
 #ifndef FP32_BODY
@@ -68,7 +68,7 @@ typedef __m256 vf_avx2;
 #define VHSUM(v) hsum256(v)
 #define NJ 2 /* weight rows per job: a pair */
 #define PAIR_ROWS_FEW pair_rows_avx2
-#include "kernels.c" /* this file: its body, for this ISA */
+#include "fp32.c" /* this file: its body, for this ISA */
 #undef NJ
 #undef PAIR_ROWS_FEW
 #undef W
@@ -129,7 +129,7 @@ typedef __m512 vf_avx512;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
-#include "kernels.c" /* this file: its body, for this ISA */
+#include "fp32.c" /* this file: its body, for this ISA */
 
 /* y[:M, :nc] = x @ w^T through the decode jobs of NJ rows: moe_packed.h's few-row path */
 static void rows_f32(int64_t M, int64_t K, const float *x, int64_t ldx, const float *w,

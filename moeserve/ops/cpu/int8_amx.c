@@ -9,19 +9,19 @@
  * w8a8_int8 (per-channel weights, dynamic per-token activations); on AMX its products run at
  * twice the bf16 rate and the weight is read as int8, half of bf16's bytes.
  *
- * The layout is amx.c's: a tile product C[16, 16] += A[16, 64] . B[64, 16] (int32
+ * The layout is bf16_amx.c's: a tile product C[16, 16] += A[16, 64] . B[64, 16] (int32
  * accumulators) takes A as 16 rows of 64 int8 with any row stride, so the weight is the A
  * operand read straight from its [N, K] rows (C = W . X^T), and B in quads of k ("VNNI": row p
  * of B holds (b[4p][c] .. b[4p + 3][c]) for its 16 columns c). Token rows are quantized and
  * packed per call into 1 KB blocks of 16 quads x 16 rows (a 16 x 16 transpose of 32-bit
- * words; rows past the count are zero). A job (amx_job.h, shared with amx.c) is 32 weight rows
+ * words; rows past the count are zero). A job (amx_job.h, shared with bf16_amx.c) is 32 weight rows
  * against every 16-row block of the tokens, two at a time (four accumulator tiles), the next
  * job's rows prefetched into L2.
  *
  * In the MoE call the gate/up sums stay int32 by column (as the tiles come out), are scaled,
  * activated and quantized per token row in one pass, and packed for the down projection by
  * taking four columns into each 32-bit word. Needs K % 64 == 0 and N % 16 == 0 (checked by
- * the caller, ops/cpu/amx_int8.py). The references are amx_int8.py's gemm_ref and moe_ref.
+ * the caller, ops/cpu/int8_amx.py). The references are int8_amx.py's gemm_ref and moe_ref.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>

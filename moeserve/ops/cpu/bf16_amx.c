@@ -15,7 +15,7 @@
  * at a time (four accumulator tiles); the result tiles are transposed back into rows on the
  * way out (the MoE call's hidden excepted: it stays by column).
  *
- * Needs K % 32 == 0 and N % 16 == 0 (checked by the caller, ops/cpu/amx.py), and the process
+ * Needs K % 32 == 0 and N % 16 == 0 (checked by the caller, ops/cpu/bf16_amx.py), and the process
  * must have asked the kernel for the AMX state (moeserve_amx_enable). The reference is
  * F.linear in bf16 (fp32 accumulation); the MoE reference is layers/moe.py: moe_reference.
  */
@@ -169,7 +169,7 @@ int moeserve_amx_gemm_nt(int64_t H, int64_t M, int64_t N, int64_t K, const void 
     return 0;
 }
 
-/* The fp32-activation projection with the argument list of kernels.c's few-row GEMM
+/* The fp32-activation projection with the argument list of fp32.c's few-row GEMM
  * (ops/linear.py: BoundLinear binds either): out[M, N] = x[M, K] . w[N, K]^T. */
 int moeserve_amx_gemm_nt_f32(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                              const uint16_t *w, int64_t ldw, float *out, int64_t ldo,
@@ -178,7 +178,7 @@ int moeserve_amx_gemm_nt_f32(int64_t M, int64_t N, int64_t K, const float *x, in
     return moeserve_amx_gemm_nt(1, M, N, K, x, 0, ldx, 1, w, 0, ldw, out, 0, ldo, 0, 0);
 }
 
-/* The per-head products of MLA's absorbed decode with the argument list of kernels.c's
+/* The per-head products of MLA's absorbed decode with the argument list of fp32.c's
  * moeserve_head_gemm_nt_small: fp32 x and out, bf16 w. */
 int moeserve_amx_head_gemm_nt_f32(int64_t H, int64_t M, int64_t N, int64_t K, const float *x,
                                   int64_t x_sh, int64_t ldx, const uint16_t *w, int64_t w_sh,

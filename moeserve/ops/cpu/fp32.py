@@ -1,4 +1,4 @@
-"""The CPU decode kernels of ``kernels.c``: the few-row fp32 GEMM, the routed-expert FFN of a
+"""The CPU decode kernels of ``fp32.c``: the few-row fp32 GEMM, the routed-expert FFN of a
 MoE layer, RMSNorm and DeepSeek's grouped routing, each for at most ``MAX_ROWS`` token rows,
 each with its pure-torch reference named in its docstring. ``ops/cpu/build.py`` compiles and
 loads the source; when that is not possible :func:`available` is False and callers use the
@@ -29,7 +29,7 @@ from moeserve.ops.cpu.bound import few_rows as _few_rows
 from moeserve.ops.cpu.build import F32, I64, INT, PTR
 from moeserve.platform import cpu_flags
 
-_SOURCE = Path(__file__).with_name("kernels.c")
+_SOURCE = Path(__file__).with_name("fp32.c")
 # measured faster than MKL's GEMM up to 128 rows here (96-128 rows: AVX-512 2.0-2.9x, AVX2
 # 1.1-1.4x; docs/benchmarks.md, benchmarks/fp32_gemm.py)
 MAX_ROWS = 128

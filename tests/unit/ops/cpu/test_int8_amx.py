@@ -1,7 +1,7 @@
-"""The w8a8 int8 AMX kernels (``ops/cpu/amx_int8.c``) against their references.
+"""The w8a8 int8 AMX kernels (``ops/cpu/int8_amx.c``) against their references.
 
 The activation quantization is the same fp32 arithmetic in both, and int32 sums of int8
-products are exact, so the projection matches :func:`amx_int8.gemm_ref` up to the order of
+products are exact, so the projection matches :func:`int8_amx.gemm_ref` up to the order of
 two fp32 multiplications. In the MoE call the hidden's activation (a vector e^x) can move a
 value across a rounding boundary of its int8 grid: a few elements differ by one grid step.
 """
@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import amx_int8
+from moeserve.ops.cpu import int8_amx
 from moeserve.quant.int8 import Int8Tensor, quantize_rows
 
-needs_amx = pytest.mark.skipif(not amx_int8.available(), reason="no AMX-INT8 here")
+needs_amx = pytest.mark.skipif(not int8_amx.available(), reason="no AMX-INT8 here")
 
 
 def int8_weight(*shape: int, seed: int) -> Int8Tensor:
@@ -25,11 +25,11 @@ def int8_weight(*shape: int, seed: int) -> Int8Tensor:
 
 def test_quantize_rows_ref_grid():
     x = torch.tensor([[0.5, -2.0, 1.0], [0.0, 0.0, 0.0], [3.0, 3.0, -3.0]])
-    xq, s = amx_int8.quantize_rows_ref(x)
+    xq, s = int8_amx.quantize_rows_ref(x)
     assert xq.dtype == torch.int8
     assert xq.tolist() == [[32, -127, 64], [0, 0, 0], [127, 127, -127]]  # 31.75 -> 32
     assert torch.equal(s, torch.tensor([2.0, 0.0, 3.0]) / 127)
-    back = amx_int8.fake_quant(x)
+    back = int8_amx.fake_quant(x)
     assert (back - x).abs().max() <= (s.max() / 2) + 1e-7  # within half a grid step
 
 
@@ -37,8 +37,8 @@ def test_gemm_ref_is_the_quantized_product():
     """The reference multiplies the rows rounded to their grids by the dequantized weight."""
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(1))
     w = int8_weight(48, 128, seed=2)
-    want = amx_int8.fake_quant(x) @ w.dequantize().t()
-    torch.testing.assert_close(amx_int8.gemm_ref(x, w), want, rtol=1e-5, atol=1e-5)
+    want = int8_amx.fake_quant(x) @ w.dequantize().t()
+    torch.testing.assert_close(int8_amx.gemm_ref(x, w), want, rtol=1e-5, atol=1e-5)
 
 
 @needs_amx
@@ -59,8 +59,8 @@ def test_gemm_matches_reference(M, N, K):
     x[M // 2] = 0.0  # a zero row: scale 0, output 0
     w = int8_weight(N, K, seed=M)
     out = torch.full((M, N), float("nan"))
-    amx_int8.gemm_nt(x, w, out=out)
-    torch.testing.assert_close(out, amx_int8.gemm_ref(x, w), rtol=1e-6, atol=1e-6)
+    int8_amx.gemm_nt(x, w, out=out)
+    torch.testing.assert_close(out, int8_amx.gemm_ref(x, w), rtol=1e-6, atol=1e-6)
     assert torch.equal(out[M // 2], torch.zeros(N))
 
 
@@ -73,18 +73,18 @@ def test_gemm_strided_rows_and_output():
     w_full = int8_weight(64, 192, seed=4)
     w = Int8Tensor(w_full.q[:, 64:], w_full.scale)  # [64, 128], row stride 192
     out_full = torch.zeros(9, 100)
-    amx_int8.gemm_nt(x, w, out=out_full[:, 10:74])
-    torch.testing.assert_close(out_full[:, 10:74], amx_int8.gemm_ref(x, w), rtol=1e-6, atol=1e-6)
+    int8_amx.gemm_nt(x, w, out=out_full[:, 10:74])
+    torch.testing.assert_close(out_full[:, 10:74], int8_amx.gemm_ref(x, w), rtol=1e-6, atol=1e-6)
     assert not out_full[:, :10].any() and not out_full[:, 74:].any()
 
 
 def test_usable_declines_what_the_tiles_do_not_take():
     x = torch.randn(4, 128)
-    assert not amx_int8.usable(x, int8_weight(32, 96, seed=0))  # K % 64
-    assert not amx_int8.usable(x[:, :120], int8_weight(40, 120, seed=0))  # N % 16, K
-    assert not amx_int8.usable(x.bfloat16(), int8_weight(32, 128, seed=0))  # fp32 rows only
-    assert not amx_int8.usable(x[:0], int8_weight(32, 128, seed=0))  # no rows
-    assert amx_int8.usable(x, int8_weight(32, 128, seed=0)) == amx_int8.available()
+    assert not int8_amx.usable(x, int8_weight(32, 96, seed=0))  # K % 64
+    assert not int8_amx.usable(x[:, :120], int8_weight(40, 120, seed=0))  # N % 16, K
+    assert not int8_amx.usable(x.bfloat16(), int8_weight(32, 128, seed=0))  # fp32 rows only
+    assert not int8_amx.usable(x[:0], int8_weight(32, 128, seed=0))  # no rows
+    assert int8_amx.usable(x, int8_weight(32, 128, seed=0)) == int8_amx.available()
 
 
 @needs_amx
@@ -97,8 +97,8 @@ def test_moe_matches_reference(counts):
     R = sum(counts)
     x = torch.randn(R, D, generator=g)
     weight = torch.rand(R, generator=g)
-    got = amx_int8.moe_experts(x, experts, counts, w13, w2, weight)
-    want = amx_int8.moe_ref(x, experts, counts, w13, w2, weight)
+    got = int8_amx.moe_experts(x, experts, counts, w13, w2, weight)
+    want = int8_amx.moe_ref(x, experts, counts, w13, w2, weight)
     # one grid step of the hidden moves an output by at most its scale times max |w2|
     h_scale = max_hidden_scale(x, experts, counts, w13)
     step = h_scale * w2.dequantize().abs().max() * weight.max()
@@ -111,8 +111,8 @@ def max_hidden_scale(x, experts, counts, w13) -> float:
     F_ = w13.shape[1] // 2
     best, start = 0.0, 0
     for e, n in zip(experts, counts):
-        gate, up = amx_int8.gemm_ref(x[start : start + n], w13[e]).split(F_, dim=-1)
-        best = max(best, (F.silu(gate) * up).abs().max().item() / amx_int8.QMAX)
+        gate, up = int8_amx.gemm_ref(x[start : start + n], w13[e]).split(F_, dim=-1)
+        best = max(best, (F.silu(gate) * up).abs().max().item() / int8_amx.QMAX)
         start += n
     return best
 
@@ -125,8 +125,8 @@ def test_moe_workspace_reuse_gives_the_same_rows():
     w13, w2 = int8_weight(E, 2 * F_, D, seed=5), int8_weight(E, D, F_, seed=6)
     experts, counts = [1, 3], [3, 2]
     meta = torch.tensor([experts, [0, 3], counts], dtype=torch.int64)
-    ws = amx_int8.MoEWorkspace(32, D, F_)
-    lib = amx_int8._library()
+    ws = int8_amx.MoEWorkspace(32, D, F_)
+    lib = int8_amx._library()
     for seed in (7, 8):
         g = torch.Generator().manual_seed(seed)
         x, weight = torch.randn(5, D, generator=g), torch.rand(5, generator=g)
@@ -136,7 +136,7 @@ def test_moe_workspace_reuse_gives_the_same_rows():
             x.data_ptr(), w13.q.data_ptr(), w13.scale.data_ptr(), w2.q.data_ptr(),
             w2.scale.data_ptr(), weight.data_ptr(), y.data_ptr(), *ws.pointers(),
         )  # fmt: skip
-        want = amx_int8.moe_experts(x, experts, counts, w13, w2, weight)
+        want = int8_amx.moe_experts(x, experts, counts, w13, w2, weight)
         torch.testing.assert_close(y, want, rtol=0, atol=0)
 
 
@@ -147,10 +147,10 @@ def test_a_nan_row_stays_nan():
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
     x[1, 70] = float("nan")
     w = int8_weight(32, 128, seed=10)
-    out = amx_int8.gemm_nt(x, w)
+    out = int8_amx.gemm_nt(x, w)
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
-    torch.testing.assert_close(out[[0, 2]], amx_int8.gemm_ref(x[[0, 2]], w), rtol=1e-6, atol=1e-6)
-    assert amx_int8.gemm_ref(x, w)[1].isnan().all()
+    torch.testing.assert_close(out[[0, 2]], int8_amx.gemm_ref(x[[0, 2]], w), rtol=1e-6, atol=1e-6)
+    assert int8_amx.gemm_ref(x, w)[1].isnan().all()
     w13, w2 = int8_weight(2, 128, 128, seed=11), int8_weight(2, 128, 64, seed=12)
-    y = amx_int8.moe_experts(x, [0, 1], [2, 1], w13, w2, torch.ones(3))
+    y = int8_amx.moe_experts(x, [0, 1], [2, 1], w13, w2, torch.ones(3))
     assert y[1].isnan().all() and not y[[0, 2]].isnan().any()

@@ -1,4 +1,4 @@
-"""The bf16 AMX kernels (``ops/cpu/amx.c``) against fp32 references on the same bf16 values.
+"""The bf16 AMX kernels (``ops/cpu/bf16_amx.c``) against fp32 references on the same bf16 values.
 
 Products of bf16 values are exact in fp32, so against a reference on the bf16-rounded inputs
 only the summation order differs (fp32 results: ~1e-6). bf16 results add one rounding.
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import amx
+from moeserve.ops.cpu import bf16_amx
 from moeserve.ops.moe import moe_grouped, moe_reference
 
-pytestmark = pytest.mark.skipif(not amx.available(), reason="no AMX here: the references run")
+pytestmark = pytest.mark.skipif(not bf16_amx.available(), reason="no AMX here: the references run")
 
 
 def bf(t: torch.Tensor) -> torch.Tensor:
@@ -43,9 +43,9 @@ def test_gemm_matches_reference(M, N, K, x_dtype):
     w = torch.randn(N, K, generator=g).bfloat16()
     ref = bf(x) @ w.float().t()
     out32 = torch.full((M, N), float("nan"))
-    amx.gemm_nt(x, w, out=out32)
+    bf16_amx.gemm_nt(x, w, out=out32)
     assert rel(out32, ref) < 1e-6
-    y = amx.gemm_nt(x, w)  # the activations' dtype by default
+    y = bf16_amx.gemm_nt(x, w)  # the activations' dtype by default
     assert y.dtype == x_dtype and rel(y, ref) < 5e-3
 
 
@@ -58,11 +58,11 @@ def test_gemm_strided_rows_and_leading_dims():
     w = w_full[:, 32:]  # [64, 128], row stride 160
     out_full = torch.zeros(18, 100)
     out = out_full[:, 10:74]
-    amx.gemm_nt(x.reshape(18, 128), w, out=out)
+    bf16_amx.gemm_nt(x.reshape(18, 128), w, out=out)
     ref = bf(x.reshape(18, 128)) @ w.float().t()
     assert rel(out, ref) < 1e-6
     assert out_full[:, :10].eq(0).all() and out_full[:, 74:].eq(0).all()
-    y = amx.gemm_nt(x, w)
+    y = bf16_amx.gemm_nt(x, w)
     assert y.shape == (2, 9, 64) and rel(y.reshape(18, 64), ref) < 1e-6
 
 
@@ -75,22 +75,22 @@ def test_head_gemm_matches_bmm(H, M, N, K):
     w_HNK = torch.randn(H, N, K, generator=g).bfloat16()
     ref = torch.bmm(bf(x_HMK), w_HNK.float().transpose(1, 2))
     out_MHN = torch.full((M, H, N), float("nan"))
-    amx.head_gemm_nt(x_HMK, w_HNK, out_MHN.transpose(0, 1))
+    bf16_amx.head_gemm_nt(x_HMK, w_HNK, out_MHN.transpose(0, 1))
     assert rel(out_MHN.transpose(0, 1), ref) < 1e-6
-    y = amx.head_gemm_nt(x_HMK.bfloat16(), w_HNK)
+    y = bf16_amx.head_gemm_nt(x_HMK.bfloat16(), w_HNK)
     assert y.dtype == torch.bfloat16 and rel(y, ref) < 5e-3
 
 
 def test_usable_declines_what_the_kernel_cannot_take():
     x = torch.randn(4, 64)
-    assert amx.usable(x, torch.randn(32, 64).bfloat16())
-    assert not amx.usable(x, torch.randn(32, 64))  # fp32 weight
-    assert not amx.usable(torch.randn(4, 48), torch.randn(32, 48).bfloat16())  # K % 32
-    assert not amx.usable(x, torch.randn(40, 64).bfloat16())  # N % 16
-    assert not amx.usable(x, torch.randn(64, 32).bfloat16().t())  # weight columns strided
-    many = torch.randn(amx.MAX_ROWS + 1, 64)
-    assert amx.usable(many, torch.randn(32, 64).bfloat16())  # fp32 rows: any count
-    assert not amx.usable(many.bfloat16(), torch.randn(32, 64).bfloat16())  # oneDNN's
+    assert bf16_amx.usable(x, torch.randn(32, 64).bfloat16())
+    assert not bf16_amx.usable(x, torch.randn(32, 64))  # fp32 weight
+    assert not bf16_amx.usable(torch.randn(4, 48), torch.randn(32, 48).bfloat16())  # K % 32
+    assert not bf16_amx.usable(x, torch.randn(40, 64).bfloat16())  # N % 16
+    assert not bf16_amx.usable(x, torch.randn(64, 32).bfloat16().t())  # weight columns strided
+    many = torch.randn(bf16_amx.MAX_ROWS + 1, 64)
+    assert bf16_amx.usable(many, torch.randn(32, 64).bfloat16())  # fp32 rows: any count
+    assert not bf16_amx.usable(many.bfloat16(), torch.randn(32, 64).bfloat16())  # oneDNN's
 
 
 def moe_case(T: int, E: int, K: int, D: int, F_: int, seed: int):
@@ -140,8 +140,8 @@ def test_moe_takes_the_kernel(monkeypatch):
     """The layer's sorted path reaches the AMX call for bf16 weights (and its result is what
     the test above checks)."""
     called = []
-    real = amx.moe_experts
-    monkeypatch.setattr(amx, "moe_experts", lambda *a: called.append(1) or real(*a))
+    real = bf16_amx.moe_experts
+    monkeypatch.setattr(bf16_amx, "moe_experts", lambda *a: called.append(1) or real(*a))
     x, w13, w2, weights, ids = moe_case(6, 8, 2, 64, 32, seed=1)
     moe_grouped(x, w13, w2, weights, ids)
     assert called

@@ -1,7 +1,7 @@
 """``--quantization bf16``: weights held in bf16, activations fp32. Against an fp32 engine on
 the same checkpoint with its weights rounded to bf16 (the oracle): equal up to summation
 order where the GEMMs widen the weights (no AMX), within bf16 rounding of the activations
-where they run on AMX (``ops/cpu/amx.c``)."""
+where they run on AMX (``ops/cpu/bf16_amx.c``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.config import EngineConfig
 from moeserve.models.loader import load_model
 from moeserve.ops import formats
-from moeserve.ops.cpu import amx
+from moeserve.ops.cpu import bf16_amx
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 from tests.helpers import max_logprob_gap
 from tests.int8_oracle import write_oracle
@@ -55,14 +55,14 @@ def _generate(path: Path, **kw):
 @pytest.mark.parametrize("kind", ["deepseek_v3", "qwen3_moe"])
 def test_widened_weights_match_the_oracle(checkpoints, kind, monkeypatch):
     """Without AMX each GEMM widens its bf16 weight: the oracle's arithmetic exactly."""
-    monkeypatch.setattr(amx, "available", lambda: False)
+    monkeypatch.setattr(bf16_amx, "available", lambda: False)
     want = _generate(checkpoints[f"{kind}-oracle"])
     got = _generate(checkpoints[kind], quantization="bf16")
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert max_logprob_gap(got, want) < 1e-4
 
 
-@pytest.mark.skipif(not amx.available(), reason="no AMX here")
+@pytest.mark.skipif(not bf16_amx.available(), reason="no AMX here")
 @pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_amx", "qwen3_moe"])
 def test_amx_engine_close_to_the_oracle(checkpoints, kind):
     """On AMX the activations are rounded to bf16 inside each GEMM: prompt log-probabilities
@@ -106,7 +106,7 @@ def test_auto_dtype_picks_bf16_weights_where_amx_runs(monkeypatch, amx_here):
     def resolve(cfg: EngineConfig):
         return formats.resolve(cfg.quantization, cfg.dtype, cfg.torch_device)
 
-    monkeypatch.setattr(amx, "available", lambda: amx_here)
+    monkeypatch.setattr(bf16_amx, "available", lambda: amx_here)
     monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: True)
     auto = EngineConfig(model="m", device="cpu")
     if amx_here:
@@ -121,7 +121,7 @@ def test_auto_dtype_picks_bf16_weights_where_amx_runs(monkeypatch, amx_here):
     assert resolve(auto) == (None, torch.float32)
 
 
-@pytest.mark.skipif(not amx.available(), reason="no AMX here")
+@pytest.mark.skipif(not bf16_amx.available(), reason="no AMX here")
 def test_decode_calls_bind_and_match_the_torch_path(checkpoints, monkeypatch):
     """Decode steps run as the prebound kernel calls (MLA and MoE) on bf16 weights, and agree
     with the layers' torch paths, which run the same kernels one op at a time."""

@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import kernels
+from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.linear import linear, linear_into
 
 pytestmark = pytest.mark.skipif(
-    not kernels.available(), reason="no AVX2/FMA CPU or no C compiler: F.linear is used"
+    not fp32_kernels.available(), reason="no AVX2/FMA CPU or no C compiler: F.linear is used"
 )
 # both variants of every GEMM where this CPU runs them (AVX2 always, AVX-512F if present)
-ISAS = [False, True] if kernels.available() and kernels.wide() else [False]
+ISAS = [False, True] if fp32_kernels.available() and fp32_kernels.wide() else [False]
 
 
 @pytest.mark.parametrize("avx512", ISAS)
@@ -27,7 +27,7 @@ def test_matches_linear(M, N, K, avx512):
     range (5..7 rows) and of MAX_ROWS (the kernel takes any M; the dispatch stops there)."""
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-    got = kernels.gemm_nt(x, w, avx512=avx512)
+    got = fp32_kernels.gemm_nt(x, w, avx512=avx512)
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
@@ -38,20 +38,20 @@ def test_strided_operands_and_out(M, avx512):
     big_x = torch.randn(M, 100, generator=g)
     stacked = torch.randn(3, 80, 100, generator=g)
     x, w = big_x[:, 10:74], stacked[1, 5:45, 20:84]  # row strides 100, unit column strides
-    assert kernels.usable(x, w)
+    assert fp32_kernels.usable(x, w)
     out = torch.full((M, 60), 7.0)
-    kernels.gemm_nt(x, w, out=out[:, 10:50], avx512=avx512)
+    fp32_kernels.gemm_nt(x, w, out=out[:, 10:50], avx512=avx512)
     torch.testing.assert_close(out[:, 10:50], F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert (out[:, :10] == 7).all() and (out[:, 50:] == 7).all()  # nothing outside written
 
 
 def test_dispatch_falls_back_where_the_kernel_does_not_apply():
-    rows = kernels.MAX_ROWS + 1
+    rows = fp32_kernels.MAX_ROWS + 1
     x, w, b = torch.randn(rows, 8), torch.randn(4, 8), torch.randn(4)
-    assert not kernels.usable(x, w)  # too many rows
-    assert not kernels.usable(x[:2].double(), w.double())
-    assert not kernels.usable(x[:2], w.t().contiguous().t())  # column-major weight
-    for rows in (1, kernels.MAX_ROWS + 1):
+    assert not fp32_kernels.usable(x, w)  # too many rows
+    assert not fp32_kernels.usable(x[:2].double(), w.double())
+    assert not fp32_kernels.usable(x[:2], w.t().contiguous().t())  # column-major weight
+    for rows in (1, fp32_kernels.MAX_ROWS + 1):
         torch.testing.assert_close(linear(x[:rows], w, b), F.linear(x[:rows], w, b))
     out = torch.empty(3, 4)
     linear_into(x[:3], w, out)
@@ -76,7 +76,7 @@ def test_moe_kernel_matches_reference(T, D, Fd, avx512):
     counts_E = torch.bincount(flat, minlength=E).tolist()
     experts = [e for e in range(E) if counts_E[e]]
     counts = [counts_E[e] for e in experts]
-    y_RD = kernels.moe_experts(
+    y_RD = fp32_kernels.moe_experts(
         x[order // K], experts, counts, w13, w2, w.reshape(-1)[order], avx512
     )
     got = torch.zeros_like(x).index_add_(0, order // K, y_RD)
@@ -103,14 +103,14 @@ def test_moe_kernel_with_big_groups_through_mkl(avx512, mkl_min_rows, monkeypatc
     rows it leaves out); all groups big, none big, and a mix with big ones first and last.
     Groups of 24+ rows left to the AVX-512 kernel take its packed-panel path (moe_packed.h),
     D = 40 and F = 24 leaving column tails and a part panel."""
-    monkeypatch.setattr(kernels, "MKL_MIN_ROWS", mkl_min_rows)
-    monkeypatch.setattr(kernels, "MKL_MIN_ROWS_WIDE", mkl_min_rows)
+    monkeypatch.setattr(fp32_kernels, "MKL_MIN_ROWS", mkl_min_rows)
+    monkeypatch.setattr(fp32_kernels, "MKL_MIN_ROWS_WIDE", mkl_min_rows)
     g = torch.Generator().manual_seed(5)
     counts = [30, 3, 25, 1, 40, 7, 22]
     E, D, Fd, R = len(counts), 40, 24, sum(counts)
     x, weight = torch.randn(R, D, generator=g), torch.rand(R, generator=g)
     w13, w2 = torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
-    got = kernels.moe_experts(x, list(range(E)), counts, w13, w2, weight, avx512)
+    got = fp32_kernels.moe_experts(x, list(range(E)), counts, w13, w2, weight, avx512)
     want = _expert_loop(x, counts, w13, w2, weight)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
@@ -125,7 +125,7 @@ def test_moe_kernel_activation_at_extreme_gates(avx512):
     x, weight = torch.randn(R, D, generator=g) * 60, torch.rand(R, generator=g)
     x[-1] *= 1e-6
     w13, w2 = torch.randn(2, 2 * Fd, D, generator=g), torch.randn(2, D, Fd, generator=g)
-    got = kernels.moe_experts(x, [0, 1], counts, w13, w2, weight, avx512)
+    got = fp32_kernels.moe_experts(x, [0, 1], counts, w13, w2, weight, avx512)
     want = _expert_loop(x, counts, w13, w2, weight)
     assert got.isfinite().all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
@@ -138,19 +138,19 @@ def test_moe_kernel_splits_groups_past_max_rows(avx512, monkeypatch):
     the way; the int8 kernel always splits)."""
     from moeserve.ops.moe import experts_sorted
 
-    monkeypatch.setattr(kernels, "MKL_MIN_ROWS", None)
-    monkeypatch.setattr(kernels, "MKL_MIN_ROWS_WIDE", None)
+    monkeypatch.setattr(fp32_kernels, "MKL_MIN_ROWS", None)
+    monkeypatch.setattr(fp32_kernels, "MKL_MIN_ROWS_WIDE", None)
     g = torch.Generator().manual_seed(3)
     E, D, Fd = 3, 24, 20
-    counts = [5, 0, 2 * kernels.MAX_ROWS + 7]
+    counts = [5, 0, 2 * fp32_kernels.MAX_ROWS + 7]
     R = sum(counts)
     x, weight = torch.randn(R, D, generator=g), torch.rand(R, generator=g)
     w13, w2 = torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
     want = _expert_loop(x, counts, w13, w2, weight)
-    meta = kernels.moe_call_buffers(R, D, Fd, [0, 2], [5, counts[2]], weight)[0]
-    assert meta.shape[1] == 4 and meta[2].max() <= kernels.MAX_ROWS and meta[2].sum() == R
-    assert kernels.moe_usable(x, [5, counts[2]], w13, w2)
-    got = kernels.moe_experts(x, [0, 2], [5, counts[2]], w13, w2, weight, avx512)
+    meta = fp32_kernels.moe_call_buffers(R, D, Fd, [0, 2], [5, counts[2]], weight)[0]
+    assert meta.shape[1] == 4 and meta[2].max() <= fp32_kernels.MAX_ROWS and meta[2].sum() == R
+    assert fp32_kernels.moe_usable(x, [5, counts[2]], w13, w2)
+    got = fp32_kernels.moe_experts(x, [0, 2], [5, counts[2]], w13, w2, weight, avx512)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(
         experts_sorted(x, weight, counts, w13, w2), want, rtol=1e-4, atol=1e-3
@@ -163,7 +163,9 @@ def test_routing_kernel_matches_reference(n_group, topk_group, norm):
 
     g = torch.Generator().manual_seed(n_group)
     logits, bias = torch.randn(16, 64, generator=g), torch.randn(64, generator=g) * 0.1
-    got_w, got_ids = kernels.route_grouped_sigmoid(logits, bias, 6, n_group, topk_group, norm, 2.5)
+    got_w, got_ids = fp32_kernels.route_grouped_sigmoid(
+        logits, bias, 6, n_group, topk_group, norm, 2.5
+    )
     ref_w, ref_ids = route_grouped_sigmoid(logits, bias, 6, n_group, topk_group, norm, 2.5)
     got_sorted, got_order = got_ids.sort(dim=1)
     ref_sorted, ref_order = ref_ids.sort(dim=1)
@@ -174,10 +176,10 @@ def test_routing_kernel_matches_reference(n_group, topk_group, norm):
 def test_rms_norm_kernel_matches_reference():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 2, 1003, generator=g), torch.randn(1003, generator=g)
-    got = kernels.rms_norm(x, w, 1e-6)
+    got = fp32_kernels.rms_norm(x, w, 1e-6)
     torch.testing.assert_close(got, F.rms_norm(x, (1003,), w, 1e-6), rtol=1e-5, atol=1e-5)
-    too_many = torch.randn(kernels.MAX_ROWS + 1, 8)
-    assert kernels.rms_norm(too_many, torch.ones(8), 1e-6) is None
+    too_many = torch.randn(fp32_kernels.MAX_ROWS + 1, 8)
+    assert fp32_kernels.rms_norm(too_many, torch.ones(8), 1e-6) is None
 
 
 @pytest.mark.parametrize("avx512", ISAS)
@@ -191,12 +193,12 @@ def test_head_gemm_matches_bmm(M, K, avx512):
     w_HNK = torch.randn(H, N, K, generator=g)
     x_HMK = x_MHK.transpose(0, 1)
     want = torch.bmm(x_HMK, w_HNK.transpose(1, 2))
-    got = kernels.head_gemm_nt(x_HMK, w_HNK, avx512=avx512)
+    got = fp32_kernels.head_gemm_nt(x_HMK, w_HNK, avx512=avx512)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     out_MHN = torch.full((M, H, N), 7.0)
-    assert kernels.head_gemm_nt(x_HMK, w_HNK, out_MHN.transpose(0, 1), avx512) is not None
+    assert fp32_kernels.head_gemm_nt(x_HMK, w_HNK, out_MHN.transpose(0, 1), avx512) is not None
     torch.testing.assert_close(out_MHN.transpose(0, 1), want, rtol=1e-5, atol=1e-4)
-    assert kernels.head_gemm_nt(x_HMK.double(), w_HNK.double()) is None
+    assert fp32_kernels.head_gemm_nt(x_HMK.double(), w_HNK.double()) is None
 
 
 def test_routing_kernel_counts_and_appends_the_shared_slot():
@@ -207,7 +209,7 @@ def test_routing_kernel_counts_and_appends_the_shared_slot():
     args = (logits, bias, 6, 8, 4, True, 2.5)
     want_w, want_ids = route_grouped_sigmoid(*args)
     counts = torch.full((64,), 3, dtype=torch.int64)
-    got_w, got_ids = kernels.route_grouped_sigmoid(*args, counts_E=counts, extra_id=64)
+    got_w, got_ids = fp32_kernels.route_grouped_sigmoid(*args, counts_E=counts, extra_id=64)
     assert got_ids.shape == (9, 7) and (got_ids[:, 6] == 64).all() and (got_w[:, 6] == 1).all()
     order_got, order_want = got_ids[:, :6].sort(dim=1), want_ids.sort(dim=1)
     assert torch.equal(order_got.values, order_want.values)

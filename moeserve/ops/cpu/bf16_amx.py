@@ -1,4 +1,4 @@
-"""The bf16 AMX kernels of ``amx.c``: the projection ``x @ w.T``, its per-head form (MLA's
+"""The bf16 AMX kernels of ``bf16_amx.c``: the projection ``x @ w.T``, its per-head form (MLA's
 absorbed products) and the routed-expert FFN of an MoE layer, for bf16 weights and fp32 or
 bf16 activations (fp32 rows are rounded to bf16 as they are packed) on CPUs with AMX
 (``amx_bf16``, with AVX512-BF16 for the conversions). The weight is read straight from its
@@ -29,10 +29,10 @@ from moeserve.ops.cpu.bound import (
     pointers,
 )
 from moeserve.ops.cpu.build import I64, INT, PTR
-from moeserve.ops.cpu.kernels import MAX_ROWS as ROW_KERNEL_ROWS  # the fp32 decode bound
+from moeserve.ops.cpu.fp32 import MAX_ROWS as ROW_KERNEL_ROWS  # the fp32 decode bound
 from moeserve.platform import cpu_flags
 
-_SOURCE = Path(__file__).with_name("amx.c")
+_SOURCE = Path(__file__).with_name("bf16_amx.c")
 _FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 # bf16 token rows up to which a projection runs in the kernel; above, oneDNN's AMX GEMM
 # (F.linear in bf16) is as fast or faster (benchmarks/amx_gemm.py, N 2816 K 2048: the kernel
@@ -74,7 +74,7 @@ def _library() -> ctypes.CDLL | None:
         "moeserve_amx_gemm_nt",
         *(I64, I64, I64, I64, PTR, I64, I64, INT, PTR, I64, I64, PTR, I64, I64, INT, PTR),
     )
-    # the argument lists of kernels.c's few-row and per-head GEMMs (fp32 x and out)
+    # the argument lists of fp32.c's few-row and per-head GEMMs (fp32 x and out)
     build.declare(lib, "moeserve_amx_gemm_nt_f32", I64, I64, I64, PTR, I64, PTR, I64, PTR, I64, INT)
     build.declare(
         lib,

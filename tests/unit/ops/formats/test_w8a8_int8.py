@@ -2,8 +2,8 @@
 quantized to int8 per token. Checked:
 
 - each dispatch (``linear``, ``BoundLinear``, ``experts_sorted``), with and without the AMX
-  kernels, against the format's references (``ops/cpu/amx_int8.py``);
-- the engine on AMX (``ops/cpu/amx_int8.c``) against the same format without it (the rows
+  kernels, against the format's references (``ops/cpu/int8_amx.py``);
+- the engine on AMX (``ops/cpu/int8_amx.c``) against the same format without it (the rows
   rounded to their int8 grids in torch, then the weight-only int8 paths). The grids are the
   same, but fp32 sums in another order move a few values across a rounding boundary of the
   next GEMM's grid, and these random models amplify that: gaps of 0.01-0.02 where a dropped
@@ -24,7 +24,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.config import EngineConfig
 from moeserve.models.loader import load_model
 from moeserve.ops import formats
-from moeserve.ops.cpu import amx, amx_int8
+from moeserve.ops.cpu import bf16_amx, int8_amx
 from moeserve.ops.linear import BoundLinear, linear, linear_into
 from moeserve.ops.moe import experts_sorted
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, quantize_rows
@@ -36,7 +36,7 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_lo
 ENGINE = dict(dtype="float32", max_model_len=160, progress=False)
 # 90 prompt tokens: prefill takes the many-row paths; decode the few-row ones
 PROMPTS = [list(range(5, 95)), [3, 17, 4, 200, 9]]
-needs_amx = pytest.mark.skipif(not amx_int8.available(), reason="no AMX-INT8 here")
+needs_amx = pytest.mark.skipif(not int8_amx.available(), reason="no AMX-INT8 here")
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +81,13 @@ def test_projections_round_their_rows_on_every_path(M, tiles, monkeypatch):
     """``linear``, ``linear_into`` and ``BoundLinear`` with a w8a8 weight give the format's
     product (the rows on their int8 grids), on the tiles and without them; the weight-only
     product differs."""
-    if tiles and not amx_int8.available():
+    if tiles and not int8_amx.available():
         pytest.skip("no AMX-INT8 here")
     if not tiles:
-        monkeypatch.setattr(amx_int8, "available", lambda: False)
+        monkeypatch.setattr(int8_amx, "available", lambda: False)
     x = torch.randn(M, 128, generator=torch.Generator().manual_seed(M))
     w = w8a8_weight(96, 128, seed=1)
-    want = amx_int8.gemm_ref(x, w)
+    want = int8_amx.gemm_ref(x, w)
     torch.testing.assert_close(linear(x, w), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear_into(x, w, torch.empty(M, 96)), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(BoundLinear(w)(x), want, rtol=1e-5, atol=1e-5)
@@ -98,12 +98,12 @@ def test_projections_round_their_rows_on_every_path(M, tiles, monkeypatch):
 @pytest.mark.parametrize("tiles", [True, False])
 def test_experts_round_rows_and_hidden_on_every_path(tiles, monkeypatch):
     """``experts_sorted`` with w8a8 experts: the AMX call, or the per-expert loop of
-    ``linear`` calls without it, against ``amx_int8.moe_ref`` (a few hidden values may land
-    one grid step apart: test_amx_int8.py)."""
-    if tiles and not amx_int8.available():
+    ``linear`` calls without it, against ``int8_amx.moe_ref`` (a few hidden values may land
+    one grid step apart: tests/unit/ops/cpu/test_int8_amx.py)."""
+    if tiles and not int8_amx.available():
         pytest.skip("no AMX-INT8 here")
     if not tiles:
-        monkeypatch.setattr(amx_int8, "available", lambda: False)
+        monkeypatch.setattr(int8_amx, "available", lambda: False)
     E, D, F_ = 4, 128, 64
     w13, w2 = w8a8_weight(E, 2 * F_, D, seed=2), w8a8_weight(E, D, F_, seed=3)
     slot_counts = [5, 0, 17, 2]
@@ -111,7 +111,7 @@ def test_experts_round_rows_and_hidden_on_every_path(tiles, monkeypatch):
     g = torch.Generator().manual_seed(4)
     x, weight = torch.randn(R, D, generator=g), torch.rand(R, generator=g)
     got = experts_sorted(x, weight, slot_counts, w13, w2)
-    want = amx_int8.moe_ref(x, [0, 2, 3], [5, 17, 2], w13, w2, weight)
+    want = int8_amx.moe_ref(x, [0, 2, 3], [5, 17, 2], w13, w2, weight)
     diff = (got - want).abs()
     assert diff.max() < 0.05 * want.abs().max()
     assert (diff > 1e-5 * want.abs().max()).float().mean() < 0.05
@@ -123,7 +123,7 @@ def test_amx_engine_close_to_the_format_without_it(checkpoints, kind, monkeypatc
     """The tiles against the torch rounding of the rows plus the weight-only kernels (measured
     max gap 0.011 and 0.022, mean 0.001 and 0.0025 on these checkpoints)."""
     got = _generate(checkpoints[kind], quantization="w8a8_int8")
-    monkeypatch.setattr(amx_int8, "available", lambda: False)
+    monkeypatch.setattr(int8_amx, "available", lambda: False)
     want = _generate(checkpoints[kind], quantization="w8a8_int8")
     assert max_logprob_gap(got, want) < 0.1
 
@@ -152,7 +152,7 @@ def test_what_is_converted_and_what_stays(checkpoints):
     assert formats.of(experts.w13_EFD) is formats.get("w8a8_int8")
     assert formats.of(experts.w2_EDF[3]) is formats.get("w8a8_int8")  # slices keep it
     # the absorbed MLA products: bf16 on the AMX tiles, else the model dtype
-    assert attn.w_uk_HCN.dtype == (torch.bfloat16 if amx.available() else torch.float32)
+    assert attn.w_uk_HCN.dtype == (torch.bfloat16 if bf16_amx.available() else torch.float32)
     assert mlp.gate.weight.dtype == torch.float32  # the router stays fp32
     assert model.embed_tokens.weight.dtype == torch.float32
     int8, _, _ = load_model(checkpoints["deepseek_tiles"], torch.float32, weight_format="int8")
@@ -174,7 +174,7 @@ def test_config_keeps_fp32_activations():
 def test_decode_calls_bind_and_match_the_torch_path(checkpoints, monkeypatch):
     """Decode steps run as the prebound kernel calls (MLA and MoE) and agree with the
     layers' torch paths, which run the same kernels one op at a time."""
-    from moeserve.ops.cpu import amx_int8 as int8_amx
+    from moeserve.ops.cpu import int8_amx as int8_amx
     from moeserve.ops.cpu.mla_decode import MLADecodeCalls
     from moeserve.ops.cpu.moe_decode import MoEDecodeCalls
 
