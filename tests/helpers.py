@@ -26,3 +26,15 @@ def max_logprob_gap(got, want) -> float:
             assert tx == ty
             gap = max(gap, abs(lx.logprob - ly.logprob))
     return gap
+
+
+def sorted_reference(x_RD, weight_R, slot_counts, w13_SFD, w2_SDF):
+    """Rows sorted by slot (``slot_counts[s]`` rows for slot ``s``) through their slot's gated
+    FFN, each times its weight: ``ops/moe.moe_reference`` (the one expert reference) with every
+    row a token of one choice, its slot at its weight."""
+    import torch
+
+    from moeserve.ops.moe import moe_reference
+
+    slots_R = torch.repeat_interleave(torch.arange(len(slot_counts)), torch.tensor(slot_counts))
+    return moe_reference(x_RD, w13_SFD, w2_SDF, weight_R[:, None], slots_R[:, None])

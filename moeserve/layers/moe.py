@@ -19,7 +19,7 @@ from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.linear import linear
-from moeserve.ops.moe import experts_sorted, moe_grouped
+from moeserve.ops.moe import experts_sorted
 from moeserve.ops.routing import route_grouped_sigmoid, route_softmax
 
 
@@ -126,15 +126,11 @@ class FusedExperts(nn.Module):
     def local_experts(self) -> frozenset[int]:
         return frozenset(self.slot_experts)
 
-    def forward(
-        self, x_TD: torch.Tensor, topk_w_TK: torch.Tensor, topk_ids_TK: torch.Tensor
-    ) -> torch.Tensor:
-        """All experts local, slot e = expert e."""
-        return moe_grouped(x_TD, self.w13_EFD, self.w2_EDF, topk_w_TK, topk_ids_TK)
-
     def compute_sorted(
         self, x_RD: torch.Tensor, weight_R: torch.Tensor, slot_counts: list[int] | tuple[int, ...]
     ) -> torch.Tensor:
+        """A dispatcher's rows (sorted by local slot, ``slot_counts[s]`` rows for slot ``s``)
+        through their slots' FFNs, each times its ``weight_R`` (``ops/moe.experts_sorted``)."""
         return experts_sorted(x_RD, weight_R, slot_counts, self.w13_EFD, self.w2_EDF)
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:

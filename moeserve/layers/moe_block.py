@@ -3,9 +3,10 @@
 Shape legend: T tokens, Tl this TP rank's share of them, D model dim, E logical experts,
 K top-k, R rows dispatched to this rank.
 
-    one process        gate -> experts (all E) -> + shared; a shared expert as wide as a
-                       routed one and ungated (DeepSeek) is slot E of the routed experts,
-                       so one call computes both
+    one process        gate -> the single-rank dispatcher (a sort by expert) -> experts
+                       (all E) -> combine -> + shared: the EP step with LocalDispatcher; a
+                       shared expert as wide as a routed one and ungated (DeepSeek) is slot E
+                       of the routed experts, so one call computes both
     TP, no EP          every rank: all E experts with F / tp each; shared expert split the
                        same way; one all-reduce over tp sums routed + shared partials
     EP (= tp x dp)     rank holds E / ep experts (slots from an ExpertPlacement table);
@@ -21,6 +22,7 @@ from torch import nn
 
 from moeserve.config import MoEOptions
 from moeserve.distributed.ep.all_to_all import AllToAllDispatcher
+from moeserve.distributed.ep.local import LocalDispatcher
 from moeserve.distributed.ep.moe_step import ep_moe_forward
 from moeserve.distributed.ep.placement import ExpertPlacement
 from moeserve.distributed.groups import Axis, ParallelGroups
@@ -73,6 +75,9 @@ class MoEBlock(nn.Module):
         self.experts = FusedExperts(
             slots, D, config.moe_intermediate_size, dtype, expert_tp, extra_slots=int(fold)
         )
+        if self.placement is None:  # one EP rank: slot e = expert e (and the folded shared)
+            self.dispatcher = LocalDispatcher()
+            self.local_placement = ExpertPlacement.contiguous(len(slots) + int(fold), 1)
         self.shared = (
             GatedMLP(D, shared_F, dtype, shared_tp, reduce=False) if shared_F and not fold else None
         )
@@ -131,9 +136,16 @@ class MoEBlock(nn.Module):
                 return self.tp.all_reduce(y_TD)
             # routed choices counted; every token also to the shared slot when it is folded
             topk_w_TK, topk_ids_TK = self.gate(x_TD, self.expert_counts_E, self.shared_slot)
-            y_TD = self.experts(x_TD, topk_w_TK, topk_ids_TK)
-            if self.shared is not None:
-                y_TD = y_TD + self._shared(x_TD)
+            y_TD = ep_moe_forward(
+                x_TD,
+                topk_w_TK,
+                topk_ids_TK,
+                self.experts.compute_sorted,
+                self._shared if self.shared is not None else None,
+                self.dispatcher,
+                self.local_placement,
+                overlap=False,
+            )
             return self.tp.all_reduce(y_TD)
         return self._forward_ep(x_TD)
 

@@ -3,19 +3,24 @@
 Shape legend: T tokens, D model dim, F expert FFN dim, E expert slots, K top-k, R = T * K
 (token, expert) rows.
 
-:func:`moe_grouped` sorts the T*K pairs by expert, runs :func:`experts_sorted` (the weight
-format's one-call kernel, else one GEMM pair per expert that has rows) and adds the rows back
-per token; :func:`moe_reference` is the per-token loop used as the oracle. For decode steps
+:func:`moe_grouped` sorts the T*K pairs by expert (:func:`sort_rows`), runs
+:func:`experts_sorted` (the weight format's one-call kernel, else one GEMM pair per expert that
+has rows) and adds the rows back per token (:func:`combine_rows`); the dispatchers of
+``distributed/ep/`` use the same sort and combine. :func:`moe_reference` is the one per-token
+loop every expert path is tested against. For decode steps
 :func:`bind_moe_decode` prebinds routing, sort, experts and combine as kernel calls
 (``ops/cpu/moe_decode.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from moeserve.ops import formats
+from moeserve.ops.cpu import moe_sort
 from moeserve.ops.cpu.moe_decode import GroupedRouting, MoEDecodeCalls
 from moeserve.ops.linear import BoundLinear, linear, linear_into
 
@@ -70,6 +75,66 @@ def experts_sorted(
     return y_RD.mul_(weight_R.unsqueeze(1).to(y_RD.dtype))
 
 
+# tokens up to which a sort or combine runs in its C call (decode batches: one call instead of
+# five torch ops); more (prefill) take torch's multi-threaded gather and index_add_
+SORT_KERNEL_TOKENS = 128
+
+
+@dataclass(frozen=True, eq=False)
+class SortedRows:
+    """The T*K (token, choice) rows in stable order of their slot: ``slot_counts[s]`` rows go
+    to slot ``s``; row ``r`` is token ``token_R[r]``'s ``x_TD`` row with routing weight
+    ``weight_R[r]`` (fp32)."""
+
+    slot_counts: tuple[int, ...]
+    token_R: torch.Tensor
+    weight_R: torch.Tensor
+    x_RD: torch.Tensor
+
+
+def sort_rows(
+    ids_TK: torch.Tensor, w_TK: torch.Tensor, x_TD: torch.Tensor, num_slots: int
+) -> SortedRows:
+    """Sort the (token, choice) rows by slot ``ids_TK`` (stable) and gather their rows: the C
+    kernel (``ops/cpu/moe_sort.c``, one thread) for up to ``SORT_KERNEL_TOKENS`` fp32 tokens
+    on the CPU, else its reference, a stable argsort and torch's gather; the same rows either
+    way. Raises ValueError for a slot outside ``[0, num_slots)``."""
+    few = x_TD.shape[0] <= SORT_KERNEL_TOKENS
+    fast = moe_sort.moe_sort(ids_TK, w_TK, x_TD, num_slots) if few else None
+    if fast is not None:
+        meta, token_R, weight_R, x_RD = fast
+        counts = [0] * num_slots
+        for s, n in zip(meta[0].tolist(), meta[2].tolist()):
+            counts[s] = n
+        return SortedRows(tuple(counts), token_R, weight_R, x_RD)
+    K = ids_TK.shape[1]
+    ids_R = ids_TK.reshape(-1)
+    if ids_R.numel() and not (0 <= int(ids_R.min()) and int(ids_R.max()) < num_slots):
+        raise ValueError(f"expert ids must lie in [0, {num_slots})")
+    order_R = ids_R.argsort(stable=True)
+    counts = torch.bincount(ids_R, minlength=num_slots).tolist()
+    token_R = order_R // K
+    weight_R = w_TK.reshape(-1)[order_R].float()
+    return SortedRows(tuple(counts), token_R, weight_R, x_TD.index_select(0, token_R))
+
+
+def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``y_TD [num_tokens, D]``: each token's rows of ``y_RD`` added up in row order with fp32
+    sums (the C kernel for fp32 rows of up to ``SORT_KERNEL_TOKENS`` tokens on the CPU, else
+    ``index_add_``), in ``y_RD``'s dtype; a
+    token without rows gets zeros. One token: ``y_RD.sum(0)``, which the decode calls
+    (``ops/cpu/moe_decode.py``) reproduce bit for bit."""
+    if num_tokens == 1 and y_RD.shape[0]:
+        return y_RD.sum(dim=0, keepdim=True)
+    few = num_tokens <= SORT_KERNEL_TOKENS
+    fast = moe_sort.moe_combine(y_RD, token_R, num_tokens) if few else None
+    if fast is not None:
+        return fast
+    acc_TD = y_RD.new_zeros(num_tokens, y_RD.shape[1], dtype=torch.float32)
+    acc_TD.index_add_(0, token_R, y_RD.float())
+    return acc_TD.to(y_RD.dtype)
+
+
 def moe_grouped(
     x_TD: torch.Tensor,
     w13_EFD,
@@ -77,31 +142,17 @@ def moe_grouped(
     topk_w_TK: torch.Tensor,
     topk_ids_TK: torch.Tensor,
 ) -> torch.Tensor:
-    """Sort (token, expert) pairs by expert, one GEMM pair per active expert, weighted scatter.
+    """Sort (token, expert) pairs by expert (:func:`sort_rows`), one call or one GEMM pair per
+    active expert (:func:`experts_sorted`), the weighted rows added back per token
+    (:func:`combine_rows`): what the single-process dispatcher (``distributed/ep/local.py``)
+    composes too.
 
     ``w13_EFD`` holds gate rows then up rows (``[E, 2F, D]``), ``w2_EDF`` is ``[E, D, F]``.
     Expert ids must lie in ``[0, E)``.
     """
-    T, K = topk_ids_TK.shape
-    E = w13_EFD.shape[0]
-    ids_R = topk_ids_TK.reshape(-1)
-    if T == 1:
-        # decode at batch 1: K experts, one row each; distinct, so sorting them is free
-        ids = ids_R.tolist()
-        order = sorted(range(K), key=ids.__getitem__)
-        counts_E = [0] * E
-        for e in ids:
-            counts_E[e] += 1
-        x_RD = x_TD.expand(K, x_TD.shape[1]).contiguous()
-        weight_R = topk_w_TK.reshape(-1)[order]
-        return experts_sorted(x_RD, weight_R, counts_E, w13_EFD, w2_EDF).sum(dim=0, keepdim=True)
-    order_R = ids_R.argsort(stable=True)
-    counts_E = torch.bincount(ids_R, minlength=E).tolist()
-    token_R = order_R // K
-    x_RD = x_TD.index_select(0, token_R)
-    weight_R = topk_w_TK.reshape(-1)[order_R]
-    y_RD = experts_sorted(x_RD, weight_R, counts_E, w13_EFD, w2_EDF)
-    return torch.zeros_like(x_TD).index_add_(0, token_R, y_RD)
+    rows = sort_rows(topk_ids_TK, topk_w_TK, x_TD, w13_EFD.shape[0])
+    y_RD = experts_sorted(rows.x_RD, rows.weight_R, rows.slot_counts, w13_EFD, w2_EDF)
+    return combine_rows(y_RD, rows.token_R, x_TD.shape[0])
 
 
 def bind_moe_decode(

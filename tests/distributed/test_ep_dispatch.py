@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from moeserve.distributed.ep import ExpertPlacement, ep_moe_forward, make_dispatcher
 from moeserve.distributed.ep.all_to_all import AllToAllDispatcher
 from moeserve.distributed.ep.local import LocalDispatcher
-from moeserve.distributed.ep.moe_step import moe_sorted_reference
 from moeserve.ops.moe import experts_sorted, moe_reference
 from tests.distributed.mp import run_ranks
+from tests.helpers import sorted_reference
 
 E, D, F_, K = 16, 32, 16, 3
 MODES = {"sequential": (False, False), "overlap": (True, False), "two_batch": (True, True)}
@@ -84,7 +84,7 @@ def run_case(dispatcher, placement, batches, rank, weights, dtype, mode) -> floa
         x_TD.to(dtype),
         topk_w_TK,
         topk_ids_TK,
-        lambda x, w, c: moe_sorted_reference(x, w, c, w13_SFD, w2_SDF),
+        lambda x, w, c: sorted_reference(x, w, c, w13_SFD, w2_SDF),
         lambda x: shared_mlp(x, s13, s2),
         dispatcher,
         placement,
@@ -197,7 +197,7 @@ def test_experts_sorted_matches_reference(rows_per_slot):
     R = sum(counts)
     x_RD, weight_R = torch.randn(R, D), torch.rand(R)
     w13, w2 = w["w13"][:4].contiguous(), w["w2"][:4].contiguous()
-    ref = moe_sorted_reference(x_RD, weight_R, counts, w13, w2)
+    ref = sorted_reference(x_RD, weight_R, counts, w13, w2)
     torch.testing.assert_close(experts_sorted(x_RD, weight_R, counts, w13, w2), ref)
 
 

@@ -24,6 +24,55 @@ GROUND_FLOOR = {
 }
 
 
+# the floors of docs/architecture.md section 0, lowest first: a module may import only
+# modules of its own floor or below. A module belongs to the floor of its longest prefix here
+# (the ground floor names modules, not prefixes).
+FLOORS: list[tuple[str, ...]] = [
+    tuple(GROUND_FLOOR),
+    (
+        "moeserve.quant",
+        "moeserve.models.hf_config",
+        "moeserve.models.registry",
+        "moeserve.models.weights",
+        "moeserve.models.fp8",
+        "moeserve.core",
+        "moeserve.tokenizer",
+        "moeserve.chat_template",
+        "moeserve.detokenizer",
+        "moeserve.profiling",
+    ),
+    ("moeserve.ops.cpu",),
+    ("moeserve.ops",),
+    ("moeserve.distributed",),
+    ("moeserve.layers",),
+    ("moeserve.models", "moeserve.kvcache", "moeserve.spec", "moeserve.text_tracker"),
+    ("moeserve.engine", "moeserve.eplb"),
+    ("moeserve.launch",),
+    (
+        "moeserve",
+        "moeserve.serving",
+        "moeserve.llm",
+        "moeserve.cli",
+        "moeserve.bench",
+        "moeserve.planner",
+        "moeserve.demo",
+    ),
+]
+
+
+def floor_of(module: str) -> int:
+    """The index in :data:`FLOORS` of the longest prefix naming ``module``."""
+    best, best_len = None, -1
+    if module in GROUND_FLOOR:
+        return 0
+    for i, prefixes in enumerate(FLOORS[1:], start=1):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
+                best, best_len = i, len(p)
+    assert best is not None, f"{module} is on no floor: add it to FLOORS"
+    return best
+
+
 def _modules() -> dict[str, Path]:
     mods = {}
     for path in PACKAGE.rglob("*.py"):
@@ -117,6 +166,14 @@ def test_ground_floor_imports_nothing_above_it():
     assert GROUND_FLOOR <= set(graph), GROUND_FLOOR - set(graph)
     upward = {m: sorted(graph[m] - GROUND_FLOOR) for m in GROUND_FLOOR if graph[m] - GROUND_FLOOR}
     assert upward == {}
+
+
+def test_no_module_imports_a_floor_above_its_own():
+    graph = import_graph()
+    upward = sorted(
+        f"{m} -> {t}" for m, ts in graph.items() for t in ts if floor_of(t) > floor_of(m)
+    )
+    assert upward == []
 
 
 def test_only_ops_cpu_touches_the_c_libraries():

@@ -14,7 +14,7 @@ from moeserve.distributed.ep.base import (
     PendingCombine,
     PendingDispatch,
 )
-from moeserve.distributed.ep.moe_step import ep_moe_forward, moe_sorted_reference
+from moeserve.distributed.ep.moe_step import ep_moe_forward
 from moeserve.distributed.ep.placement import ExpertPlacement
 
 DISPATCHERS = ("local", "all_to_all")
@@ -45,5 +45,4 @@ __all__ = [
     "PendingDispatch",
     "ep_moe_forward",
     "make_dispatcher",
-    "moe_sorted_reference",
 ]

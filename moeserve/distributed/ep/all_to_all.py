@@ -28,10 +28,9 @@ from moeserve.distributed.ep.base import (
     PendingCombine,
     PendingDispatch,
     check_ep_size,
-    scatter_rows,
-    sort_by_slot,
 )
 from moeserve.distributed.ep.placement import ExpertPlacement
+from moeserve.ops.moe import combine_rows, sort_rows
 
 
 def _row_layout(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -83,19 +82,22 @@ class AllToAllDispatcher(Dispatcher):
         placement: ExpertPlacement,
     ) -> PendingDispatch:
         check_ep_size(placement, self.ep_size)
-        T, K = topk_ids_TK.shape
+        T = topk_ids_TK.shape[0]
         D, dtype, S = x_TD.shape[1], x_TD.dtype, placement.slots_per_rank
-        order_N, phys_N = sort_by_slot(topk_ids_TK, placement, own_rank=self.rank)
-        token_N = order_N // K
+        # the rows sorted by physical slot (rank-major): grouped by destination rank
+        phys_TK = placement.physical_ids(topk_ids_TK, own_rank=self.rank)
+        rows = sort_rows(phys_TK, topk_w_TK, x_TD, placement.num_physical)
+        token_N, counts_P = rows.token_R, torch.tensor(rows.slot_counts, device=x_TD.device)
 
-        send_E = torch.bincount(phys_N // S, minlength=self.ep_size)
+        send_E = counts_P.view(self.ep_size, S).sum(dim=1)
         recv_E = torch.empty_like(send_E)
         dist.all_to_all_single(recv_E, send_E, group=self.group)
         send, recv = tuple(send_E.tolist()), tuple(recv_E.tolist())
 
-        buf_NB = _pack(
-            x_TD.index_select(0, token_N), topk_w_TK.reshape(-1).float()[order_N], phys_N % S
+        local_N = (
+            torch.arange(S, device=x_TD.device).repeat(self.ep_size).repeat_interleave(counts_P)
         )
+        buf_NB = _pack(rows.x_RD, rows.weight_R, local_N)
         buf_RB = torch.empty(sum(recv), buf_NB.shape[1], dtype=torch.uint8, device=x_TD.device)
         work = dist.all_to_all_single(
             buf_RB, buf_NB, list(recv), list(send), group=self.group, async_op=True
@@ -123,4 +125,4 @@ class AllToAllDispatcher(Dispatcher):
             group=self.group,
             async_op=True,
         )
-        return Pending(work, lambda: scatter_rows(y_ND, meta.token_N, meta.num_tokens))
+        return Pending(work, lambda: combine_rows(y_ND, meta.token_N, meta.num_tokens))

@@ -100,25 +100,6 @@ class Dispatcher(ABC):
         rows (zeros for a token without rows), in ``y_RD``'s dtype."""
 
 
-def sort_by_slot(
-    topk_ids_TK: torch.Tensor, placement: ExpertPlacement, own_rank: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, choice) rows sorted by physical slot (stable): ``(order_N, slot_N)`` where
-    row ``i`` is flat choice ``order_N[i]`` (token ``order_N[i] // K``) bound for ``slot_N[i]``.
-    Slots are rank-major, so the rows come grouped by destination rank, then by slot. With
-    replicas, ``own_rank`` (the sending rank) picks them (``ExpertPlacement.physical_ids``)."""
-    phys_N = placement.physical_ids(topk_ids_TK, own_rank=own_rank).reshape(-1)
-    order_N = phys_N.argsort(stable=True)
-    return order_N, phys_N[order_N]
-
-
-def scatter_rows(y_ND: torch.Tensor, token_N: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``y_TD[t] = sum of y_ND[n] with token_N[n] == t``, accumulated in fp32."""
-    acc_TD = y_ND.new_zeros(num_tokens, y_ND.shape[1], dtype=torch.float32)
-    acc_TD.index_add_(0, token_N, y_ND.float())
-    return acc_TD.to(y_ND.dtype)
-
-
 def check_ep_size(placement: ExpertPlacement, ep_size: int) -> None:
     if placement.ep_size != ep_size:
         raise ValueError(

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from moeserve.distributed.ep.base import Dispatched, Dispatcher
 from moeserve.distributed.ep.placement import ExpertPlacement
@@ -46,7 +45,7 @@ def ep_moe_forward(
 
     ``experts_fn(x_RD, weight_R, slot_counts)`` returns each row's expert output already
     scaled by its weight, in row order; it is not called on a rank that received no rows
-    (``layers.moe.experts_sorted`` or ``FusedExperts.compute_sorted`` fit). ``overlap`` runs
+    (``ops.moe.experts_sorted`` or ``FusedExperts.compute_sorted`` fit). ``overlap`` runs
     the shared expert while the dispatch is in flight; ``two_batch`` splits the tokens in two
     halves (the second may be empty) and interleaves them, which implies ``overlap``.
     """
@@ -90,26 +89,3 @@ def _run_experts(experts_fn: ExpertsFn, d: Dispatched) -> torch.Tensor:
     if d.x_RD.shape[0] == 0:
         return torch.empty_like(d.x_RD)
     return experts_fn(d.x_RD, d.weight_R, d.slot_counts)
-
-
-def moe_sorted_reference(
-    x_RD: torch.Tensor,
-    weight_R: torch.Tensor,
-    slot_counts: Sequence[int],
-    w13_SFD: torch.Tensor,
-    w2_SDF: torch.Tensor,
-) -> torch.Tensor:
-    """Rows sorted by local slot (``slot_counts[s]`` rows for slot ``s``) through their slot's
-    gated FFN (``w13_SFD [S, 2F, D]`` gate rows then up rows, ``w2_SDF [S, D, F]``), each row
-    scaled by its weight. The per-slot loop that ``layers.moe.experts_sorted`` (the fast path,
-    CPU kernel included) is tested against."""
-    F_ = w2_SDF.shape[2]
-    y_RD = torch.empty_like(x_RD)
-    start = 0
-    for s, n in enumerate(slot_counts):
-        if n:
-            rows = slice(start, start + n)
-            gate, up = (x_RD[rows] @ w13_SFD[s].T).split(F_, dim=-1)
-            y_RD[rows] = (F.silu(gate) * up) @ w2_SDF[s].T
-            start += n
-    return y_RD * weight_R.unsqueeze(1).to(x_RD.dtype)

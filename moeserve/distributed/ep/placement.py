@@ -130,6 +130,12 @@ class ExpertPlacement:
         return self.phys2log_P[rank * S : (rank + 1) * S].tolist()
 
     @cached_property
+    def is_identity(self) -> bool:
+        """Slot ``e`` holds expert ``e`` and no expert has a replica: a choice's slot is its
+        expert id."""
+        return bool(torch.equal(self.phys2log_P, torch.arange(self.num_physical)))
+
+    @cached_property
     def replica_table(self) -> ReplicaTable:
         """The table :meth:`physical_ids` selects replicas with (built once)."""
         nodes = self.node_of_rank or (0,) * self.ep_size

@@ -10,7 +10,7 @@ may be shared):
               FLOP/s and ``gemm_m_half`` (median-error fit of the cost model's GEMM formula)
               of each path: the kernel's rows (``small_gemm_*``) and MKL's; the per-call
               overhead;
-  experts     ``layers.moe.moe_grouped`` at 1..512 tokens, 64 experts top-6 plus a shared
+  experts     ``ops.moe.moe_grouped`` at 1..512 tokens, 64 experts top-6 plus a shared
               slot, several layers' weights cycled -> ``expert_efficiency`` (against the
               few-row path's GEMMs of the same rows per expert);
   attention   ``MLAttention.forward_naive`` (latent expansion, blocked causal attention) at

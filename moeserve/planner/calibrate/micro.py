@@ -206,13 +206,13 @@ EXPERT_TOKENS = [1, 4, 16, 64, 256, 512]
 
 
 def measure_experts(threads: int) -> list[dict]:
-    """Seconds of the engine's routed-expert computation (``layers.moe.moe_grouped``: the
+    """Seconds of the engine's routed-expert computation (``ops.moe.moe_grouped``: the
     one-call CPU kernel for few rows, sorted grouped GEMMs for many) at uniform routing, with
     a shared expert as one more slot every token uses (as the engine runs DeepSeek without EP)
     and several layers' weights cycled."""
     import torch
 
-    from moeserve.layers.moe import moe_grouped
+    from moeserve.ops.moe import moe_grouped
 
     torch.set_num_threads(threads)
     E, D, F, K = (EXPERT_SHAPE[k] for k in ("E", "D", "F", "K"))
