@@ -25,7 +25,9 @@ from moeserve.layers.moe_block import MoEBlock
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.hf_config import ModelConfig
+from moeserve.models.weight_format import format_targets
 from moeserve.models.weights import WeightSpec
+from moeserve.ops import formats
 from moeserve.ops.cpu import fp32 as fp32_kernels
 
 
@@ -245,15 +247,15 @@ def prefers_kn_layout(device: torch.device, dtype: torch.dtype) -> bool:
 
 @torch.no_grad()
 def relayout_kn(model: nn.Module) -> None:
-    """Store every projection weight as ``[K, N]`` memory behind an ``[N, K]`` view.
+    """Store every projection weight whose format allows it (``WeightFormat.kn_layout_ok``:
+    dense ones; int8 rows stay as their kernels stream them) as ``[K, N]`` memory behind an
+    ``[N, K]`` view.
 
     Code keeps calling ``F.linear(x, w)`` on the same ``[N, K]`` shape; only the strides change,
     so the GEMM reads the weight row-major over N. Embedding tables (row lookups) and router
-    gates stay as they are. One parameter is copied at a time.
+    gates are no projections and stay as they are. One parameter is copied at a time.
     """
-    for name, p in model.named_parameters():
-        if p.dim() < 2 or "embed_tokens" in name or name.endswith("gate.weight"):
-            continue
-        if not p.is_floating_point():
-            continue  # int8 weights (quant/) keep the [N, K] rows their kernels stream
-        p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+    for module, attr in format_targets(model):
+        p = getattr(module, attr)
+        if isinstance(p, nn.Parameter) and formats.of(p).kn_layout_ok:
+            p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)

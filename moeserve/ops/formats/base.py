@@ -43,6 +43,9 @@ class WeightFormat:
     bytes_per_weight: float = 4.0  # what decode streams per weight element
     scale_bytes_per_row: float = 0.0  # per output row besides (int8: its fp32 scale)
     absorbed_bytes: float = 4.0  # per element of MLA's absorbed W_UK/W_UV as this format holds
+    # whether a weight may be stored [K, N] behind its [N, K] view (models/base.relayout_kn:
+    # MKL's few-row GEMMs where the kernels do not run); int8 rows stay as their kernels read
+    kn_layout_ok: bool = True
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -31,6 +31,7 @@ class Int8Format(WeightFormat):
     activation_dtype = torch.float32
     bytes_per_weight = 1.0
     scale_bytes_per_row = 4.0
+    kn_layout_ok = False
     rounds_activations = False  # w8a8_int8: every GEMM rounds its input rows to int8
 
     def kernels_available(self) -> bool:

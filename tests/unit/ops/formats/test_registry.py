@@ -103,3 +103,17 @@ def test_the_planner_streams_what_the_formats_state():
 
     for name in ("fp32", "bf16", "int8"):
         assert DTYPE_BYTES[name] == formats.get(name).bytes_per_weight
+
+
+def test_relayout_moves_only_weights_whose_format_allows_it():
+    """Without the kernels, dense projections are stored [K, N] behind their view; int8 rows
+    stay [N, K] (``kn_layout_ok``)."""
+    from moeserve.layers.linear import Linear
+    from moeserve.models.base import relayout_kn
+    from moeserve.models.weight_format import apply_weight_format
+
+    dense, quantized = Linear(64, 16), Linear(64, 16)
+    apply_weight_format(quantized, "int8")
+    relayout_kn(nn.ModuleList([dense, quantized]))
+    assert dense.weight.shape == (16, 64) and dense.weight.stride() == (1, 16)
+    assert quantized.weight.q.stride() == (64, 1)
