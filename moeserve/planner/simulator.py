@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from moeserve.planner import cost_model as cm
+import moeserve.planner.cost_model as cm
 from moeserve.planner.cost_model import COMM, COMPUTE, OVERHEAD, OpCost, Rank
 from moeserve.planner.model_spec import ModelSpec
 

@@ -105,10 +105,8 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                     base = ".".join(up + ([node.module] if node.module else []))
-                # `from pkg import mod` names a module; `from mod import name` the module
-                names = [
-                    f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names
-                ]
+                # `from pkg import mod` runs the package's __init__ too: both are edges
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
             for name in names:
                 if name.startswith("moeserve"):
                     target = _target(name, mods)
