@@ -101,21 +101,12 @@ def sort_rows(
     way. Raises ValueError for a slot outside ``[0, num_slots)``."""
     few = x_TD.shape[0] <= SORT_KERNEL_TOKENS
     fast = moe_sort.moe_sort(ids_TK, w_TK, x_TD, num_slots) if few else None
-    if fast is not None:
-        meta, token_R, weight_R, x_RD = fast
-        counts = [0] * num_slots
-        for s, n in zip(meta[0].tolist(), meta[2].tolist()):
-            counts[s] = n
-        return SortedRows(tuple(counts), token_R, weight_R, x_RD)
-    K = ids_TK.shape[1]
-    ids_R = ids_TK.reshape(-1)
-    if ids_R.numel() and not (0 <= int(ids_R.min()) and int(ids_R.max()) < num_slots):
-        raise ValueError(f"expert ids must lie in [0, {num_slots})")
-    order_R = ids_R.argsort(stable=True)
-    counts = torch.bincount(ids_R, minlength=num_slots).tolist()
-    token_R = order_R // K
-    weight_R = w_TK.reshape(-1)[order_R].float()
-    return SortedRows(tuple(counts), token_R, weight_R, x_TD.index_select(0, token_R))
+    sort = fast if fast is not None else moe_sort.moe_sort_ref(ids_TK, w_TK, x_TD, num_slots)
+    meta, token_R, weight_R, x_RD = sort
+    counts = [0] * num_slots
+    for s, n in zip(meta[0].tolist(), meta[2].tolist()):
+        counts[s] = n
+    return SortedRows(tuple(counts), token_R, weight_R, x_RD)
 
 
 def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -128,11 +119,7 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, num_tokens: int) -> 
         return y_RD.sum(dim=0, keepdim=True)
     few = num_tokens <= SORT_KERNEL_TOKENS
     fast = moe_sort.moe_combine(y_RD, token_R, num_tokens) if few else None
-    if fast is not None:
-        return fast
-    acc_TD = y_RD.new_zeros(num_tokens, y_RD.shape[1], dtype=torch.float32)
-    acc_TD.index_add_(0, token_R, y_RD.float())
-    return acc_TD.to(y_RD.dtype)
+    return fast if fast is not None else moe_sort.moe_combine_ref(y_RD, token_R, num_tokens)
 
 
 def moe_grouped(

@@ -17,7 +17,7 @@
  *
  * Needs K % 32 == 0 and N % 16 == 0 (checked by the caller, ops/cpu/bf16_amx.py), and the process
  * must have asked the kernel for the AMX state (moeserve_amx_enable). The reference is
- * F.linear in bf16 (fp32 accumulation); the MoE reference is layers/moe.py: moe_reference.
+ * F.linear in bf16 (fp32 accumulation); the MoE reference is ops/moe.py: moe_reference.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>

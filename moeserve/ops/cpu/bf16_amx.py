@@ -5,7 +5,7 @@ bf16 activations (fp32 rows are rounded to bf16 as they are packed) on CPUs with
 ``[N, K]`` rows, so no packed copy is kept; the activations are packed per call.
 
 References: ``F.linear`` in bf16 (fp32 accumulation, bf16 result) for :func:`gemm_nt`, and
-``layers/moe.py: moe_reference`` for :func:`moe_experts`. :func:`available` is False (and
+``ops/moe.py: moe_reference`` for :func:`moe_experts`. :func:`available` is False (and
 callers use the references) without AMX, when the kernel refuses the AMX state, when the
 source cannot be built, or with ``MOESERVE_CPU_KERNELS=0`` / ``MOESERVE_CPU_AMX=0``.
 """
@@ -230,7 +230,7 @@ def moe_experts(
 ) -> torch.Tensor:
     """Rows of ``x_RD`` sorted by expert (``counts[i]`` rows for ``experts[i]``) through
     their experts' gated FFN, each scaled by its routing weight, in one call; the result has
-    ``x_RD``'s dtype. The reference is ``layers/moe.py: moe_reference``."""
+    ``x_RD``'s dtype. The reference is ``ops/moe.py: moe_reference``."""
     R, D = x_RD.shape
     F = w2_EDF.shape[2]
     starts = list(itertools.accumulate(counts, initial=0))[:-1]

@@ -229,7 +229,7 @@ def moe_experts(
     """Rows of ``x_RD`` sorted by expert (``counts[i]`` rows for ``experts[i]``) through their
     experts' gated FFN, each scaled by its routing weight; ``avx512`` overrides :func:`wide`.
     Experts of :func:`mkl_min_rows` rows or more run as two MKL GEMMs, the rest in one kernel
-    call. The reference is the loop in ``layers/moe.py: moe_grouped``."""
+    call. The reference is ``ops/moe.py: moe_reference``."""
     D, F = x_RD.shape[1], w2_EDF.shape[2]
     meta, weight_R, h, y, big = moe_call_split(
         x_RD.shape[0], D, F, experts, counts, weight_R, mkl_min_rows(avx512)

@@ -1,7 +1,7 @@
 /* A decode step's (token, choice) pairs sorted by expert for the one-call MoE kernels, and the
  * weighted expert rows added back per token: one C call each instead of an argsort, a bincount,
- * a gather, an index and an index_add_ (references: ops/cpu/moe_sort.py, which is the torch
- * code of layers/moe.py: moe_grouped).
+ * a gather, an index and an index_add_ (references: ops/cpu/moe_sort.py; ops/moe.py's
+ * sort_rows and combine_rows call one or the other).
  *
  * Pair r = t * K + k is token t's k-th choice, ids[r] its expert. The sort is stable (a
  * counting sort), so rows of one expert keep their token order, as argsort(stable=True) does.

@@ -1,6 +1,6 @@
 """A decode step's (token, choice) pairs sorted by expert, and the expert rows added back per
-token (``moe_sort.c``), with their pure-torch references (the torch code of
-``layers/moe.py: moe_grouped``).
+token (``moe_sort.c``), with their pure-torch references, which ``ops/moe.py: sort_rows`` and
+``combine_rows`` run where the kernels do not apply.
 
 Shape legend: T tokens, K choices per token, R = T * K pairs, D model dim, G experts with
 pairs, S expert slots.
@@ -36,12 +36,16 @@ def available() -> bool:
 
 
 def moe_sort_ref(
-    ids_TK: torch.Tensor, w_TK: torch.Tensor, x_TD: torch.Tensor
+    ids_TK: torch.Tensor, w_TK: torch.Tensor, x_TD: torch.Tensor, num_slots: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(meta_3G, token_R, weight_R, x_RD)``: the pairs in stable order of expert; ``meta_3G``
-    holds each expert with pairs, its first sorted row and its count."""
+    holds each expert with pairs, its first sorted row and its count. With ``num_slots``,
+    ValueError for an id outside ``[0, num_slots)`` (as the kernel)."""
     K = ids_TK.shape[1]
     ids_R = ids_TK.reshape(-1)
+    if num_slots is not None and ids_R.numel():
+        if not (0 <= int(ids_R.min()) and int(ids_R.max()) < num_slots):
+            raise ValueError(f"expert ids must lie in [0, {num_slots})")
     order_R = ids_R.argsort(stable=True)
     experts, counts = torch.unique(ids_R, return_counts=True)
     starts = torch.cumsum(counts, 0) - counts
@@ -51,8 +55,10 @@ def moe_sort_ref(
 
 
 def moe_combine_ref(y_RD: torch.Tensor, token_R: torch.Tensor, T: int) -> torch.Tensor:
-    """``[T, D]``: each token's sorted rows added up."""
-    return y_RD.new_zeros(T, y_RD.shape[1]).index_add_(0, token_R, y_RD)
+    """``[T, D]``: each token's sorted rows added up in row order with fp32 sums, in
+    ``y_RD``'s dtype."""
+    acc_TD = y_RD.new_zeros(T, y_RD.shape[1], dtype=torch.float32)
+    return acc_TD.index_add_(0, token_R, y_RD.float()).to(y_RD.dtype)
 
 
 def moe_sort(
