@@ -21,12 +21,13 @@ class ConfigError(ValueError):
 
 def resolve_architecture(architectures: list[str], source: str = "config.json") -> str:
     """The first supported entry of ``architectures``; a clear error listing what we support."""
+    supported = supported_architectures()
     for arch in architectures:
-        if arch in supported_architectures():
+        if arch in supported:
             return arch
     raise ConfigError(
         f"{source}: unsupported architecture {architectures or '(none given)'}; "
-        f"supported: {', '.join(supported_architectures())}"
+        f"supported: {', '.join(supported)}"
     )
 
 

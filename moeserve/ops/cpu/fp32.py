@@ -287,17 +287,10 @@ class BoundMoE:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm over the last dim for few fp32 rows with the kernel; None when it does not apply
     (the caller then uses ``F.rms_norm``, the reference)."""
-    D = x.shape[-1]
-    x2 = x.reshape(-1, D) if x.dim() != 2 else x
-    if not (
-        few_rows(x2) and weight.dtype == torch.float32 and weight.is_contiguous() and available()
-    ):
-        return None
-    y = torch.empty(x2.shape, dtype=torch.float32)
-    _library().moeserve_rms_norm(
-        x2.shape[0], D, x2.data_ptr(), x2.stride(0), weight.data_ptr(), eps, y.data_ptr(), D
-    )
-    return y.view(x.shape)
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    bound = BoundRMSNorm.bind(weight, eps)
+    y = None if bound is None else bound(x2)
+    return None if y is None else y.view(x.shape)
 
 
 class BoundRMSNorm:
