@@ -2,7 +2,9 @@
 
 The template runs in jinja2's immutable sandbox with transformers' globals (``raise_exception``,
 ``strftime_now``), its ``tojson`` filter, ``loopcontrols`` and the ``{% generation %}`` tag;
-inputs are rebuilt from plain JSON types so the sandbox sees no foreign methods.
+inputs are rebuilt from plain JSON types (nested at most ``MAX_INPUT_DEPTH`` deep) so the
+sandbox sees no foreign methods. Whatever a template raises on its input (``1/0``, a bad
+``range``, an overflow, unbounded recursion) ends as one :class:`ChatTemplateError` line.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+MAX_INPUT_DEPTH = 64  # nesting of messages, tools and variables (JSON schemas stay far below)
+_MAX_MESSAGE_CHARS = 300  # of an exception's text in ChatTemplateError
 
 
 class ChatTemplateError(ValueError):
@@ -30,25 +34,54 @@ def render_chat_template(
     add_generation_prompt: bool,
     tools: list[dict] | None,
     variables: dict[str, Any],
+    max_output_chars: int | None = None,
 ) -> str:
     """Render ``messages`` with ``template``; ``variables`` (special tokens, template kwargs
-    such as ``enable_thinking``) become template variables. Raises ChatTemplateError."""
+    such as ``enable_thinking``) become template variables. Raises ChatTemplateError, also
+    when the output grows past ``max_output_chars``."""
     if not messages:
         raise ChatTemplateError("cannot apply a chat template to an empty conversation")
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise ChatTemplateError("tools must be JSON-schema dicts")
     chat = [_drop_none(m) for m in messages]
     variables = dict(variables)
+    compiled = _compile(template)
+    inputs = dict(
+        messages=_plain(_alias_reasoning(chat)),
+        tools=_plain(tools),
+        documents=_plain(variables.pop("documents", None)),
+        add_generation_prompt=add_generation_prompt,
+    )
+    plain_vars = _plain(variables)
+    if clash := sorted(set(plain_vars) & set(inputs)):
+        raise ChatTemplateError(f"template variables cannot override {', '.join(clash)}")
     try:
-        return _compile(template).render(
-            messages=_plain(_alias_reasoning(chat)),
-            tools=_plain(tools),
-            documents=_plain(variables.pop("documents", None)),
-            add_generation_prompt=add_generation_prompt,
-            **_plain(variables),
-        )
+        return _render(compiled, {**inputs, **plain_vars}, max_output_chars)
+    except ChatTemplateError:
+        raise
     except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template failed: {e}") from None
+        raise ChatTemplateError(f"chat template failed: {_short(e)}") from None
+    except Exception as e:  # the template's own failure on its input: 1/0, range(0, 1, 0), ...
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {_short(e)}") from None
+
+
+def _render(compiled: jinja2.Template, inputs: dict, max_output_chars: int | None) -> str:
+    if max_output_chars is None:
+        return compiled.render(**inputs)
+    parts, size = [], 0
+    for part in compiled.generate(**inputs):
+        size += len(part)
+        if size > max_output_chars:
+            raise ChatTemplateError(
+                f"the chat template's output exceeds {max_output_chars} characters"
+            )
+        parts.append(part)
+    return "".join(parts)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e)
+    return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS] + "..."
 
 
 def _drop_none(message: dict) -> dict:
@@ -66,10 +99,12 @@ def _alias_reasoning(chat: list[dict]) -> list[dict]:
     return out
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, depth: int = 0) -> Any:
     """Rebuild template inputs from plain JSON types, so the sandbox sees no foreign methods."""
     if value is None or type(value) in (str, int, float, bool):
         return value
+    if depth >= MAX_INPUT_DEPTH:
+        raise ChatTemplateError(f"chat template inputs nest deeper than {MAX_INPUT_DEPTH} levels")
     if isinstance(value, str):  # subclasses (enums, ...) lose their extra methods
         return str.__str__(value)
     if isinstance(value, int):
@@ -77,11 +112,11 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {_plain(k, depth + 1): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
+        return tuple(_plain(v, depth + 1) for v in value)
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [_plain(v, depth + 1) for v in value]
     return f"<{type(value).__name__}>"
 
 
@@ -164,6 +199,5 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template does not parse: {e} (line {e.lineno})") from None
-
-
-# --- streaming detokenization -----------------------------------------------------------------
+    except Exception as e:  # e.g. RecursionError from a template nested too deep to compile
+        raise ChatTemplateError(f"chat template does not parse: {type(e).__name__}") from None

@@ -245,6 +245,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         kwargs["model"] = str(demo_model_path())
     config = EngineConfig(**kwargs, progress=True)
+    body_limit = {}
+    if args.max_request_body_bytes is not None:
+        body_limit["max_request_body_bytes"] = args.max_request_body_bytes
     options = ServeOptions(
         host=args.host,
         port=args.port,
@@ -252,7 +255,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or ()),
         shutdown_timeout_s=args.shutdown_timeout,
         debug_endpoints=args.enable_debug_endpoints,
+        trust_request_chat_template=args.trust_request_chat_template,
         log_level=args.log_level,
+        **body_limit,
     )
     return serve(config, options)
 
@@ -301,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name",
         nargs="+",
         default=None,
-        help="model name(s) clients use (default: the model path)",
+        help="model name(s) clients use (default: the model directory's name)",
     )
     s.add_argument(
         "--shutdown-timeout",
@@ -313,6 +318,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-debug-endpoints",
         action="store_true",
         help="GET /debug/engine (stats, KV check) and the EPLB admin calls (/admin/eplb/...)",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render chat templates that requests send (chat_template, "
+        "chat_template_kwargs.chat_template), in a sandbox process with a time, memory and "
+        "output budget; refused (400) without this flag",
+    )
+    s.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies get 413 (default: 8388608, 8 MiB)",
     )
     s.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")

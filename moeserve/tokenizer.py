@@ -135,13 +135,23 @@ class Tokenizer:
     # --- encode / decode -------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with special tokens, BOS/EOS as the model's config asks."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; with special tokens, BOS/EOS as the model's config asks.
+
+        Through the batch call, which releases the GIL while it works (the single-text
+        ``encode`` of ``tokenizers`` holds it): a thread that tokenizes a long prompt leaves
+        the rest of the process running."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._cleanup else text
+
+    def decode_long(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """:meth:`decode` through the batch call, which releases the GIL (for whole prompts
+        decoded on a worker thread; the per-token calls of streaming stay on ``decode``)."""
+        texts = self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(texts[0]) if self._cleanup else texts[0]
 
     def id_to_piece(self, token_id: int) -> str | None:
         """The vocabulary entry of ``token_id`` (e.g. ``'Ġthe'``), or None if out of range."""
@@ -218,18 +228,34 @@ class Tokenizer:
         reach the template as variables (e.g. ``enable_thinking``). Raises TokenizerError when
         there is no template or the template raises.
         """
-        template = self._pick_template(chat_template, tools)
+        template = self.pick_chat_template(chat_template, tools)
         if not messages:
             raise TokenizerError("cannot apply a chat template to an empty conversation")
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise TokenizerError("tools must be JSON-schema dicts")
-        variables = {**self._special_tokens, **kwargs}
         try:
-            return render_chat_template(template, messages, add_generation_prompt, tools, variables)
+            return render_chat_template(
+                template, messages, add_generation_prompt, tools, self.chat_variables(kwargs)
+            )
         except ChatTemplateError as e:
             raise TokenizerError(str(e)) from None
 
-    def _pick_template(self, chat_template: str | None, tools: list[dict] | None) -> str:
+    def chat_variables(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The variables a chat template sees besides messages and tools: the special tokens
+        (``bos_token``, ...), then ``kwargs``."""
+        return {**self._special_tokens, **kwargs}
+
+    def is_own_chat_template(self, chat_template: str) -> bool:
+        """Whether ``chat_template`` names (or is the text of) one of the model's templates,
+        as opposed to template code from elsewhere."""
+        return chat_template in self._chat_templates or chat_template in set(
+            self._chat_templates.values()
+        )
+
+    def pick_chat_template(self, chat_template: str | None, tools: list[dict] | None) -> str:
+        """The template text: ``chat_template`` (a name of the model's templates, or template
+        text), else ``tool_use`` when tools are given and the model has one, else the default.
+        Raises TokenizerError when the model has none."""
         if chat_template is not None:
             return self._chat_templates.get(chat_template, chat_template)
         if tools is not None and "tool_use" in self._chat_templates:

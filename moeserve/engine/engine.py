@@ -258,6 +258,12 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; this engine's max_model_len is "
                 f"{self.max_model_len}, which must leave room for at least one output token"
             )
+        cap = self.config.max_waiting_requests
+        if cap is not None and params.n > cap:
+            raise ValueError(
+                f"n={params.n} samples can never be queued: the engine holds at most {cap} "
+                "waiting sequences (--max-waiting-requests)"
+            )
         if params.stop and params.detokenize and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
 

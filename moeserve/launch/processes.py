@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,8 @@ class WorkerProcesses:
                 p.kill()
         for p in self.procs.values():
             p.wait(timeout=10)
+        # every rank has exited: nothing writes an error file any more
+        shutil.rmtree(self._errdir, ignore_errors=True)
 
     def join(self, timeout: float = 30.0) -> None:
         """Wait for the ranks to exit after a stop; kill what is left."""

@@ -8,24 +8,25 @@ endpoints. :func:`build_app` takes a ready :class:`ServerState`; ``launcher.py``
     POST /admin/eplb/rebalance  re-place the experts from the load window now
     POST /admin/eplb/dump       write the load window to --expert-stats-out
 
-With an API key, every path but /health, /version and /metrics needs
-``Authorization: Bearer KEY``.
+Every request first passes :class:`RequestGuard` (``guard.py``): with an API key, every path
+but /health, /version and /metrics needs ``Authorization: Bearer KEY`` (checked before the
+body is read); bodies over ``--max-request-body-bytes`` get 413, JSON nested too deep 400.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import moeserve
-from moeserve.serving.chat import create_chat_completion, render_prompt
+from moeserve.serving.chat import create_chat_completion
 from moeserve.serving.client import EngineDeadError
 from moeserve.serving.completions import create_completion
-from moeserve.serving.errors import APIError, ErrorResponse, bad_request, install_handlers
+from moeserve.serving.errors import ErrorResponse, bad_request, install_handlers
+from moeserve.serving.guard import RequestGuard
 from moeserve.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -42,8 +43,8 @@ from moeserve.serving.protocol import (
 )
 from moeserve.serving.state import ServerState, unavailable
 
-_PUBLIC = {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"}
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 503)}
+PUBLIC_PATHS = ("/health", "/version", "/metrics")
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 413, 503)}
 STATS_TIMEOUT_S = 5.0
 EPLB_TIMEOUT_S = 300.0  # a re-placement moves every layer's experts before answering
 
@@ -59,8 +60,8 @@ async def refresh_engine_stats(state: ServerState) -> dict | None:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The application over ``state``: its routers in this order (the order of
-    /openapi.json), every one but :func:`public_router` behind the API key."""
+    """The application over ``state``, behind :class:`RequestGuard` (the API key, the body
+    limits, our own bugs): its routers in this order (the order of /openapi.json)."""
     app = FastAPI(
         title="moeserve",
         version=moeserve.__version__,
@@ -68,31 +69,18 @@ def build_app(state: ServerState) -> FastAPI:
     )
     app.state.server = state
     install_handlers(app)
-    auth = [Depends(api_key_check(state))]
+    app.add_middleware(
+        RequestGuard,
+        api_key=state.api_key,
+        public_paths=PUBLIC_PATHS,
+        max_body_bytes=state.max_request_body_bytes,
+    )
     app.include_router(public_router(state))
-    app.include_router(openai_router(state), dependencies=auth)
-    app.include_router(tokenizer_router(state), dependencies=auth)
+    app.include_router(openai_router(state))
+    app.include_router(tokenizer_router(state))
     if state.debug_endpoints:
-        app.include_router(debug_router(state), dependencies=auth)
+        app.include_router(debug_router(state))
     return app
-
-
-def api_key_check(state: ServerState):
-    """A dependency that refuses (401) a request without ``Authorization: Bearer KEY`` when
-    the server has a key; the paths of ``_PUBLIC`` pass without one."""
-
-    async def check_api_key(request: Request) -> None:
-        key = state.api_key
-        if key is None or request.url.path in _PUBLIC:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-            raise APIError(
-                401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key"
-            )
-
-    return check_api_key
 
 
 def public_router(state: ServerState) -> APIRouter:
@@ -101,10 +89,7 @@ def public_router(state: ServerState) -> APIRouter:
 
     @router.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
-        if state.client.dead is not None:
-            raise unavailable(f"the engine has failed: {state.client.dead}")
-        if state.draining:
-            raise unavailable("the server is shutting down")
+        state.check_accepting()
         return Response(status_code=200)
 
     @router.get("/version")
@@ -128,7 +113,7 @@ def openai_router(state: ServerState) -> APIRouter:
         cards = [
             ModelCard(
                 id=name,
-                root=state.model_path,
+                root=state.model_names[0],
                 max_model_len=state.max_model_len,
                 vocab_size=state.vocab_size,
             )
@@ -156,23 +141,23 @@ def tokenizer_router(state: ServerState) -> APIRouter:
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         state.model_name(body.model)
         if isinstance(body, TokenizeChatRequest):
-            ids = render_prompt(
-                state,
+            ids = await state.prompts.render_chat(
                 body.messages,
                 body.add_generation_prompt,
                 body.continue_final_message,
+                body.chat_template,
                 body.chat_template_kwargs,
                 body.add_special_tokens,
             )
         else:
-            ids = state.encode(body.prompt, "prompt", body.add_special_tokens)
+            ids = await state.prompts.encode(body.prompt, "prompt", body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
     @router.post("/detokenize", responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         state.model_name(body.model)
         state.check_token_ids(body.tokens, "tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, False))
+        return DetokenizeResponse(prompt=await state.prompts.decode(body.tokens))
 
     return router
 

@@ -21,7 +21,6 @@ from moeserve.serving.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
     PromptTokensDetails,
@@ -36,65 +35,17 @@ from moeserve.serving.state import (
     start_all,
     stream_response,
 )
-from moeserve.tokenizer import TokenizerError
-
-
-def _as_dict(msg: ChatMessage) -> dict:
-    content = msg.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
-    # OpenAI's newer name for the system role; chat templates know "system"
-    role = "system" if msg.role == "developer" else msg.role
-    out = {"role": role, "content": content or ""}
-    if msg.name is not None:
-        out["name"] = msg.name
-    if msg.reasoning_content is not None:
-        out["reasoning_content"] = msg.reasoning_content
-    return out
-
-
-def render_prompt(
-    state: ServerState,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    chat_template_kwargs: dict | None,
-    add_special_tokens: bool = False,
-) -> list[int]:
-    """Token ids of the rendered conversation; 400 for what the template cannot render."""
-    if add_generation_prompt and continue_final_message:
-        raise bad_request(
-            "add_generation_prompt and continue_final_message cannot both be true",
-            "continue_final_message",
-        )
-    chat = [_as_dict(m) for m in messages]
-    if continue_final_message and chat[-1]["role"] != "assistant":
-        raise bad_request(
-            "continue_final_message needs an assistant message last", "continue_final_message"
-        )
-    try:
-        text = state.tokenizer.apply_chat_template(
-            chat, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-        )
-    except (TokenizerError, TypeError) as e:
-        raise bad_request(f"the chat template cannot render 'messages': {e}", "messages") from None
-    if continue_final_message:
-        final = chat[-1]["content"]
-        cut = text.rfind(final) if final else -1
-        if cut >= 0:
-            text = text[: cut + len(final)]
-    return state.encode(text, "messages", add_special_tokens=add_special_tokens)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     state.check_accepting()
     model = state.model_name(req.model)
     check_unsupported(req)
-    ids = render_prompt(
-        state,
+    ids = await state.prompts.render_chat(
         req.messages,
         req.add_generation_prompt,
         req.continue_final_message,
+        req.chat_template,
         req.chat_template_kwargs,
     )
     requested = req.max_completion_tokens or req.max_tokens

@@ -33,7 +33,9 @@ from moeserve.serving.state import (
 )
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+async def _prompts(
+    state: ServerState, req: CompletionRequest
+) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) of each prompt."""
     p = req.prompt
     if isinstance(p, str):
@@ -48,7 +50,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
         if isinstance(item, str):
             if not item:
                 raise bad_request(f"'{field}' is empty", field)
-            out.append((item, state.encode(item, field)))
+            out.append((item, await state.prompts.encode(item, field)))
         else:
             state.check_token_ids(item, field)
             out.append((None, list(item)))
@@ -62,7 +64,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     request_id = new_id("cmpl")
     want_lp = req.logprobs
     generations = []
-    for p, (text, ids) in enumerate(_prompts(state, req)):
+    for p, (text, ids) in enumerate(await _prompts(state, req)):
         max_tokens = max_tokens_for(
             req.max_tokens, len(ids), state.max_model_len, "prompt", "max_tokens"
         )
@@ -73,7 +75,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             logprobs=want_lp,
             prompt_logprobs=want_lp if (req.echo and want_lp is not None) else None,
         )
-        text = text if text is not None else state.tokenizer.decode(ids, False)
+        if text is None:  # token ids: their text is needed only to echo them
+            text = await state.prompts.decode(ids) if req.echo else ""
         generations.append(
             Generation.create(f"{request_id}-{p}", ids, params, options, state.tokenizer, p, text)
         )

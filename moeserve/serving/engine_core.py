@@ -137,6 +137,7 @@ def ready_message(engine: Engine) -> m.Ready:
         world_size=cfg.parallel_dims.world_size,
         data_parallel_size=cfg.data_parallel_size,
         max_num_seqs=cfg.max_num_seqs,
+        max_waiting_requests=cfg.max_waiting_requests,
     )
 
 

@@ -2,14 +2,14 @@
 
 Handlers turn every failure the server can meet into one of these, with the right status:
 400 for anything wrong with the request (the message names the field), 401 for the API key,
-404 for an unknown path, 503 with Retry-After for a full queue or a server shutting down,
-500 only for our own bugs (logged with their traceback).
+404 for an unknown path, 413 for a body over the limit, 503 with Retry-After for a full queue
+or a server shutting down, 500 only for our own bugs (``guard.py`` logs those with their
+traceback and answers without the exception's text).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +17,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.serving.protocol import ErrorInfo, ErrorResponse
-
-logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "BadRequestError",
@@ -62,6 +60,13 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code or "invalid_request")
+
+
+def quoted(value: str, limit: int = 80) -> str:
+    """``repr(value)`` cut to about ``limit`` characters: what a message may echo of the
+    client's input (an error must not grow with it)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...' ({len(value)} characters)"
 
 
 def _field(loc: tuple) -> str | None:
@@ -119,8 +124,3 @@ def install_handlers(app: FastAPI) -> None:
                 return bad_request("the body is not valid UTF-8", code="invalid_utf8").response()
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         return APIError(exc.status_code, detail, headers=exc.headers).response()
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -5,12 +5,14 @@
       spawn ------------------------------>  load the model, start the ranks
       wait for Ready  <--------------------  Ready
       uvicorn serves ...                     steps
-      SIGTERM/SIGINT: stop accepting, let running requests finish for --shutdown-timeout,
-      end the rest with an error event, then Shutdown ---->  stop the ranks, exit 0
+      SIGTERM/SIGINT: answer new requests 503 (the port stays open), let running requests
+      finish for --shutdown-timeout, end the rest with an error event, close the port,
+      then Shutdown ------------------------>  stop the ranks, exit 0
       exit 0 (1 if the engine failed)
 
 A second SIGINT forces the exit. If the engine dies while serving, waiting requests get an
-error at once and the server exits 1.
+error at once, new ones a 503 naming the failure for ``_FAILED_LINGER_S`` (so that a client
+or a load balancer learns why, rather than meeting a closed port), and the server exits 1.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import signal
 import socket
@@ -31,12 +34,16 @@ import uvicorn
 from moeserve.config import EngineConfig
 from moeserve.serving.api_server import build_app
 from moeserve.serving.client import EngineClient, EngineDeadError
+from moeserve.serving.guard import DEFAULT_MAX_BODY_BYTES
 from moeserve.serving.metrics import ServerMetrics
+from moeserve.serving.prompts import PromptWorkers
 from moeserve.serving.sampling import ModelDefaults
 from moeserve.serving.state import ServerState
 from moeserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("moeserve.serve")
+
+_FAILED_LINGER_S = 2.0  # after an engine failure, how long new requests still get a 503
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,15 @@ class ServeOptions:
     served_model_names: tuple[str, ...] = ()
     shutdown_timeout_s: float = 30.0
     debug_endpoints: bool = False
+    trust_request_chat_template: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"the request body limit must be >= 1 byte, got {self.max_request_body_bytes}"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout_s < 0:
@@ -111,19 +124,11 @@ async def _serve(
         await client.shutdown()
         return 0
 
-    names = list(options.served_model_names) or [config.model]
-    state = ServerState(
-        client=client,
-        tokenizer=tokenizer,
-        model_names=names,
-        model_path=config.model,
-        max_model_len=ready.max_model_len,
-        vocab_size=ready.vocab_size,
-        metrics=ServerMetrics(names[0]),
-        defaults=ModelDefaults.from_model_dir(config.model),
-        api_key=options.api_key,
-        debug_endpoints=options.debug_endpoints,
-    )
+    state = _server_state(config, options, tokenizer, client, ready)
+    names = state.model_names
+    # what start-up built lives as long as the process: out of the collector's way, so that
+    # a full collection during a large request walks only that request's objects
+    gc.freeze()
     server = _Server(
         uvicorn.Config(
             build_app(state),
@@ -146,19 +151,22 @@ async def _serve(
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     watch = asyncio.create_task(_until_stop_or_engine_death(client, stop))
     done, _ = await asyncio.wait({serving, watch}, return_when=asyncio.FIRST_COMPLETED)
-    failed = client.dead is not None
     if watch in done:
-        # stop accepting; running requests finish, up to the timeout
+        # new requests get 503 with the port still open; running requests finish, up to the
+        # timeout; a second SIGINT cuts it short
         state.draining = True
-        server.should_exit = True
+        force = asyncio.Event()
         loop.remove_signal_handler(signal.SIGINT)
-        loop.add_signal_handler(signal.SIGINT, lambda: setattr(server, "force_exit", True))
-        ender = asyncio.create_task(_end_stragglers(client, options.shutdown_timeout_s))
+        loop.add_signal_handler(signal.SIGINT, force.set)
+        await _drain(client, options.shutdown_timeout_s, force)
+        server.should_exit = True
+        server.force_exit = force.is_set()
         await serving
-        ender.cancel()
     else:
         watch.cancel()
         await serving  # uvicorn stopped on its own (e.g. startup failed): re-raise
+    failed = client.dead is not None
+    await state.prompts.close()
     code = await client.shutdown()
     if code != 0 and not failed:
         logger.error("the engine exited with code %d", code)
@@ -187,10 +195,49 @@ async def _until_stop_or_engine_death(client: EngineClient, stop: asyncio.Event)
         logger.info("stopping: waiting up to the shutdown timeout for running requests")
 
 
-async def _end_stragglers(client: EngineClient, timeout_s: float) -> None:
+def _server_state(
+    config: EngineConfig,
+    options: ServeOptions,
+    tokenizer: Tokenizer,
+    client: EngineClient,
+    ready,
+) -> ServerState:
+    names = list(options.served_model_names) or [default_model_name(config.model)]
+    return ServerState(
+        client=client,
+        tokenizer=tokenizer,
+        model_names=names,
+        max_model_len=ready.max_model_len,
+        vocab_size=ready.vocab_size,
+        metrics=ServerMetrics(names[0]),
+        prompts=PromptWorkers(tokenizer, options.trust_request_chat_template),
+        defaults=ModelDefaults.from_model_dir(config.model),
+        api_key=options.api_key,
+        debug_endpoints=options.debug_endpoints,
+        max_request_body_bytes=options.max_request_body_bytes,
+        max_waiting_requests=ready.max_waiting_requests,
+        data_parallel_size=ready.data_parallel_size,
+    )
+
+
+def default_model_name(model_dir: str) -> str:
+    """The name clients use when ``--served-model-name`` is not given: the model directory's
+    own name (never its path, which would reach every client and metric label)."""
+    return Path(model_dir).name or "model"
+
+
+async def _drain(client: EngineClient, timeout_s: float, force: asyncio.Event) -> None:
+    """Wait (the port open, new requests answered 503) until the running requests finished,
+    at most ``timeout_s``; then end the rest. After an engine failure the requests have
+    already ended; the 503s go on for ``_FAILED_LINGER_S``."""
+    if client.dead is not None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(force.wait(), min(_FAILED_LINGER_S, timeout_s))
+        return
     deadline = time.monotonic() + timeout_s
-    while client.num_unfinished and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    while client.num_unfinished and time.monotonic() < deadline and not force.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(force.wait(), 0.05)
     if client.num_unfinished:
         logger.warning("ending %d unfinished request(s)", client.num_unfinished)
         client.end_all(f"the server shut down after waiting {timeout_s:g}s")

@@ -66,6 +66,7 @@ class Ready:
     world_size: int
     data_parallel_size: int
     max_num_seqs: int
+    max_waiting_requests: int | None = None  # per DP replica; None: unbounded
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -22,12 +23,16 @@ from moeserve.serving.client import (
     RejectedError,
     RequestEndedError,
 )
-from moeserve.serving.errors import APIError, bad_request
+from moeserve.serving.errors import APIError, bad_request, quoted
 from moeserve.serving.generation import Generation
+from moeserve.serving.guard import DEFAULT_MAX_BODY_BYTES
 from moeserve.serving.logprobs import TokenTexts
 from moeserve.serving.metrics import ServerMetrics
+from moeserve.serving.prompts import PromptWorkers
 from moeserve.serving.sampling import ModelDefaults
 from moeserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 
@@ -37,13 +42,17 @@ class ServerState:
     client: EngineClient
     tokenizer: Tokenizer
     model_names: list[str]
-    model_path: str
     max_model_len: int
     vocab_size: int
     metrics: ServerMetrics
+    prompts: PromptWorkers
     defaults: ModelDefaults = field(default_factory=ModelDefaults)
     api_key: str | None = None
     debug_endpoints: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # sequences the engine queues at most per DP replica (None: unbounded), and the replicas
+    max_waiting_requests: int | None = None
+    data_parallel_size: int = 1
     draining: bool = False
     texts: TokenTexts = field(init=False)
 
@@ -55,23 +64,17 @@ class ServerState:
         if requested is None or requested in self.model_names:
             return requested or self.model_names[0]
         raise bad_request(
-            f"model {requested!r} is not served here; available: {', '.join(self.model_names)}",
+            f"model {quoted(requested)} is not served here; available: "
+            f"{', '.join(self.model_names)}",
             "model",
             "model_not_found",
         )
 
     def check_accepting(self) -> None:
-        if self.draining:
-            raise unavailable("the server is shutting down")
         if self.client.dead is not None:
             raise unavailable(f"the engine has failed: {self.client.dead}")
-
-    def encode(self, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        except (UnicodeError, TypeError, ValueError) as e:
-            # e.g. a lone UTF-16 surrogate ("\\ud800") that JSON allows but UTF-8 cannot hold
-            raise bad_request(f"'{field_name}' cannot be tokenized: {e}", field_name) from None
+        if self.draining:
+            raise unavailable("the server is shutting down")
 
     def check_token_ids(self, ids: list[int], field_name: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -93,7 +96,16 @@ def new_id(prefix: str) -> str:
 
 async def start_all(state: ServerState, generations: list[Generation]) -> None:
     """Queue every engine request of an HTTP request, or none: if one is refused, those
-    already queued are aborted. Maps refusals to 503 / 400."""
+    already queued are aborted. Maps refusals to 503 / 400; a request with more samples than
+    the engine can ever queue is a 400 (a retry could not succeed)."""
+    cap = state.max_waiting_requests
+    total = sum(g.params.n for g in generations)
+    if cap is not None and total > cap * state.data_parallel_size:
+        raise bad_request(
+            f"the request has {total} samples (prompts x n); the engine queues at most "
+            f"{cap * state.data_parallel_size} (--max-waiting-requests {cap} per replica)",
+            "n",
+        )
     started: list[Generation] = []
     try:
         for g in generations:
@@ -122,8 +134,11 @@ def error_event(e: BaseException) -> str:
         err = unavailable(f"the request was ended: {e}")
     elif isinstance(e, EngineDeadError):
         err = APIError(500, f"the engine has failed: {e}", code="engine_dead")
-    else:
-        err = APIError(500, f"internal error: {type(e).__name__}: {e}")
+    else:  # our own bug: the log has it, the client gets no exception text
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("internal error %s in a stream", error_id, exc_info=e)
+        message = f"internal server error (id {error_id}; the server log has the details)"
+        err = APIError(500, message, code="internal_error")
     return sse(err.body())
 
 
@@ -135,7 +150,7 @@ def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for event in events:
                 yield event
-        except (RequestEndedError, EngineDeadError) as e:
+        except Exception as e:
             yield error_event(e)
         yield "data: [DONE]\n\n"
 

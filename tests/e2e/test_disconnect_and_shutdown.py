@@ -88,9 +88,14 @@ def test_sigterm_lets_running_requests_finish():
     time.sleep(0.5)  # the request is running
     srv.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    assert not _port_open(srv.url)  # no new connections
+    # the port stays open while draining: new requests learn why they are refused
+    r = httpx.post(f"{srv.v1}/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert "shutting down" in r.json()["error"]["message"]
+    assert httpx.get(f"{srv.url}/health").status_code == 503
     t.join(120)
     assert srv.stop() == 0, srv.text()
+    assert not _port_open(srv.url)
     assert result["status"] == 200
     assert result["body"]["usage"]["completion_tokens"] == 300
     assert not srv.engine_pids()
@@ -132,6 +137,10 @@ def test_engine_death_fails_requests_and_stops_the_server():
     time.sleep(1.0)
     os.kill(engine_pid, signal.SIGKILL)
     t.join(60)
+    # for a moment the port still answers, with a 503 that says what happened
+    r = httpx.post(f"{srv.v1}/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and "engine has failed" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{srv.url}/health").status_code == 503
     code = srv.proc.wait(60)
     assert code == 1, srv.text()
     events = result["events"]

@@ -12,9 +12,17 @@ from tests.e2e.server import start_server
 from tests.e2e.test_metrics import _expert_sums, _scrape
 
 
-def test_serving_on_an_expert_parallel_group():
-    # a short collective timeout: the idle server must keep the workers awake (keepalive)
-    srv = start_server("--ep", "2", "--dist-timeout", "4", "--enable-debug-endpoints")
+def test_serving_on_an_expert_parallel_group(tmp_path):
+    # a short collective timeout: the idle server must keep the workers awake (keepalive);
+    # a temp dir of its own, to see that the server leaves nothing there
+    srv = start_server(
+        "--ep",
+        "2",
+        "--dist-timeout",
+        "4",
+        "--enable-debug-endpoints",
+        env={"TMPDIR": str(tmp_path)},
+    )
     try:
         assert len(srv.engine_pids()) >= 2  # the engine and its second rank
         client = openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=120)
@@ -52,3 +60,4 @@ def test_serving_on_an_expert_parallel_group():
         code = srv.stop()
     assert code == 0, srv.text()
     assert not srv.engine_pids()
+    assert not list(tmp_path.iterdir())  # no moeserve-ranks-*, no moeserve-ipc-*

@@ -52,7 +52,9 @@ def _check(response, label: str) -> None:
 
 @pytest.fixture(scope="module")
 def operations(server):
-    schema = schemathesis.openapi.from_dict(httpx.get(f"{server.url}/openapi.json").json())
+    schema = schemathesis.openapi.from_dict(
+        httpx.get(f"{server.url}/openapi.json", headers=HEADERS).json()
+    )
     return {path: schema[path]["POST"] for path in POSTS}
 
 

@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from moeserve.demo import DEMO_NAME
 from tests.e2e.server import RunningServer, start_server
 
 ENV_KEY = "key-from-the-environment"
@@ -36,9 +37,13 @@ def test_api_key_from_the_environment_is_enforced(named_server):
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert _call(url, path, "nope").status_code == 401
         assert _call(url, path, ENV_KEY).status_code == 200
-    # open without the key: health, version, metrics and the API's own description
-    for path in ("/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"):
+    # open without the key: health, version, metrics; the API's description needs it
+    for path in ("/health", "/version", "/metrics"):
         assert httpx.get(f"{url}{path}").status_code == 200, path
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(f"{url}{path}").status_code == 401, path
+        with_key = httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {ENV_KEY}"})
+        assert with_key.status_code == 200, path
 
 
 def test_served_model_names_are_listed_required_and_echoed(named_server):
@@ -56,10 +61,10 @@ def test_served_model_names_are_listed_required_and_echoed(named_server):
             model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
         )
         assert {chunk.model for chunk in stream} == {name}
-    # the model directory's path, the default name without the flag, is not served
-    path = models[0].model_extra["root"]
+    # the model directory's name, the default without the flag, is not served
+    assert models[0].model_extra["root"] == NAMES[0]
     with pytest.raises(openai.BadRequestError, match="is not served here") as e:
-        client.completions.create(model=path, prompt="hi", max_tokens=2)
+        client.completions.create(model=DEMO_NAME, prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     # a request that names no model is answered as the first name
     headers = {"Authorization": f"Bearer {ENV_KEY}"}

@@ -157,6 +157,17 @@ def test_bad_prompts_are_rejected_without_leaking(ckpt):
     llm.engine.scheduler.check_integrity()
 
 
+def test_more_samples_than_the_queue_holds_is_invalid_not_full(ckpt):
+    llm = make_llm(ckpt, max_waiting_requests=2)
+    with pytest.raises(ValueError, match="can never be queued"):
+        llm.engine.add_request("r", [5, 6], SamplingParams(n=3, max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.add_request("ok", [5, 6], SamplingParams(n=2, max_tokens=2))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.engine.scheduler.check_integrity()
+
+
 def test_max_model_len_finishes_with_length(ckpt):
     llm = make_llm(ckpt, max_model_len=40)
     out = llm.generate([list(range(2, 32))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
