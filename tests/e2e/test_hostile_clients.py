@@ -196,24 +196,27 @@ def test_generated_templates(hostile_server, probe, session):
     assert probe.codes == {200} and probe.slowest < 1.0, probe.slowest
 
 
+def _fuzz_one(url: str, session, operation, mode: str, path: str) -> None:
+    strategy = operation.as_strategy(schemathesis.GenerationMode(mode))
+
+    @FUZZ
+    @given(case=strategy)
+    def run(case):
+        if mode == "positive":
+            case.body = _cap(case.body)
+        response = case.call(base_url=url, session=session, timeout=60)
+        _check(response, f"{mode} {path} {case.body!r:.300}")
+
+    run()
+
+
 @pytest.mark.parametrize("mode", ["negative", "positive"])
 def test_schema_fuzz_with_the_probe(hostile_server, probe, session, mode):
     schema = schemathesis.openapi.from_dict(
         httpx.get(f"{hostile_server.url}/openapi.json", headers=HEADERS).json()
     )
     for path in POSTS:
-        strategy = schema[path]["POST"].as_strategy(schemathesis.GenerationMode(mode))
-
-        @FUZZ
-        @given(case=strategy)
-        def run(case, path=path):
-            if mode == "positive":
-                case.body = _cap(case.body)
-            response = case.call(base_url=hostile_server.url, session=session, timeout=60)
-            _check(response, f"{mode} {path} {case.body!r:.300}")
-
-        run()
+        _fuzz_one(hostile_server.url, session, schema[path]["POST"], mode, path)
     assert probe.codes == {200} and probe.slowest < 1.0, probe.slowest
-    stats = httpx.get(f"{hostile_server.url}/health")
-    assert stats.status_code == 200
+    assert httpx.get(f"{hostile_server.url}/health").status_code == 200
     assert "Traceback" not in hostile_server.text()
