@@ -12,8 +12,9 @@ answer is a 200. The table gives, per checkout and mode, output tokens/s (best a
 over the rounds), the median over the rounds of that run's tok/s over the same checkout's
 no-scrape run of the same round, TTFT / ITL / E2E median and p99 (pooled over the rounds),
 the scrapes per second reached, a scrape's own latency, and, where the server exports it,
-how many stats snapshots the engine published per second meanwhile, and the CPU the API
-server and the engine process used (cores: CPU seconds over wall seconds).
+how many stats snapshots the engine published per second meanwhile, and the CPU seconds the
+engine process and the API server used in a run (the median over the rounds; every run
+generates the same number of tokens, so the engine's is its cost per run).
 
     python benchmarks/metrics_scrape.py [--src DIR[,DIR...]] [--rounds 3] [--modes none,tight,8]
         [--num-prompts 48] [--input-len 64] [--output-len 64] [--max-concurrency 8]
@@ -215,8 +216,8 @@ def summarize(runs: list[dict], srcs: list[str], modes: list[str]) -> list[dict]
                 "scrape_failures": sum(r["scrape_failures"] for r in mine),
                 "scrape_p50_ms": pct([x for r in mine for x in r["scrape_latencies"]], 50),
                 "snapshots_per_s": None if None in snaps else sum(snaps) / secs,
-                "api_cpu_cores": sum(r["api_cpu_s"] for r in mine) / secs,
-                "engine_cpu_cores": sum(r["engine_cpu_s"] for r in mine) / secs,
+                "engine_cpu_s": statistics.median(r["engine_cpu_s"] for r in mine),
+                "api_cpu_s": statistics.median(r["api_cpu_s"] for r in mine),
                 "failed_requests": sum(r["failed"] for r in mine),
             }
         )
@@ -227,7 +228,7 @@ def print_table(rows: list[dict]) -> None:
     print(
         "| code | scraper | out tok/s best / median | vs none (median of rounds) "
         "| TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 / p99 ms | scrapes/s | scrape p50 ms "
-        "| snapshots/s | API / engine CPU (cores) |"
+        "| snapshots/s | engine / API CPU s |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -241,7 +242,7 @@ def print_table(rows: list[dict]) -> None:
             f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
             f"| {r['e2el_p50_ms']:.0f} / {r['e2el_p99_ms']:.0f} "
             f"| {r['scrapes_per_s']:.1f} | {r['scrape_p50_ms']:.1f} | {snaps} "
-            f"| {r['api_cpu_cores']:.2f} / {r['engine_cpu_cores']:.2f} |"
+            f"| {r['engine_cpu_s']:.1f} / {r['api_cpu_s']:.1f} |"
         )
 
 
