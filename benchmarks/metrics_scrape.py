@@ -14,7 +14,9 @@ no-scrape run of the same round, TTFT / ITL / E2E median and p99 (pooled over th
 the scrapes per second reached, a scrape's own latency, and, where the server exports it,
 how many stats snapshots the engine published per second meanwhile, and the CPU seconds the
 engine process and the API server used in a run (the median over the rounds; every run
-generates the same number of tokens, so the engine's is its cost per run).
+generates the same number of tokens, so the engine's is its cost per run), and what one scrape
+cost each (the median over the rounds of the run's CPU over that round's no-scrape run, per
+scrape; meaningful where scrapes are many: the tight loop).
 
     python benchmarks/metrics_scrape.py [--src DIR[,DIR...]] [--rounds 3] [--modes none,tight,8]
         [--num-prompts 48] [--input-len 64] [--output-len 64] [--max-concurrency 8]
@@ -188,7 +190,15 @@ def pct(values: list[float], q: float) -> float:
 def summarize(runs: list[dict], srcs: list[str], modes: list[str]) -> list[dict]:
     """One row per checkout and mode; the ratio is per round against that checkout's
     no-scrape run of the round."""
-    base = {(r["src"], r["round"]): r["output_throughput"] for r in runs if r["mode"] == "none"}
+    base = {(r["src"], r["round"]): r for r in runs if r["mode"] == "none"}
+
+    def per_scrape_ms(run: dict, key: str) -> float | None:
+        """CPU ms a scrape cost: over this round's no-scrape run of the same checkout."""
+        b = base.get((run["src"], run["round"]))
+        if b is None or not run["scrapes"]:
+            return None
+        return (run[key] - b[key]) / run["scrapes"] * 1e3
+
     rows = []
     for src, mode in ((s, m) for s in srcs for m in modes):
         mine = [r for r in runs if r["mode"] == mode and r["src"] == src]
@@ -196,6 +206,11 @@ def summarize(runs: list[dict], srcs: list[str], modes: list[str]) -> list[dict]
         pooled = {k: [x for r in mine for x in r[k]] for k in ("ttfts", "itls", "e2els")}
         secs = sum(r["seconds"] for r in mine)
         snaps = [r["snapshots"] for r in mine]
+        per_scrape = {}
+        for key in ("engine_cpu_s", "api_cpu_s"):
+            costs = [per_scrape_ms(r, key) for r in mine]
+            costs = [c for c in costs if c is not None]
+            per_scrape[key] = statistics.median(costs) if costs else None
         rows.append(
             {
                 "src": src,
@@ -203,7 +218,7 @@ def summarize(runs: list[dict], srcs: list[str], modes: list[str]) -> list[dict]
                 "tok_s_best": max(tput),
                 "tok_s_median": statistics.median(tput),
                 "ratio_per_round": [
-                    r["output_throughput"] / base[src, r["round"]]
+                    r["output_throughput"] / base[src, r["round"]]["output_throughput"]
                     for r in mine
                     if (src, r["round"]) in base
                 ],
@@ -218,6 +233,7 @@ def summarize(runs: list[dict], srcs: list[str], modes: list[str]) -> list[dict]
                 "snapshots_per_s": None if None in snaps else sum(snaps) / secs,
                 "engine_cpu_s": statistics.median(r["engine_cpu_s"] for r in mine),
                 "api_cpu_s": statistics.median(r["api_cpu_s"] for r in mine),
+                **{f"{key[:-2]}_ms_per_scrape": per_scrape[key] for key in per_scrape},
                 "failed_requests": sum(r["failed"] for r in mine),
             }
         )
@@ -228,13 +244,16 @@ def print_table(rows: list[dict]) -> None:
     print(
         "| code | scraper | out tok/s best / median | vs none (median of rounds) "
         "| TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 / p99 ms | scrapes/s | scrape p50 ms "
-        "| snapshots/s | engine / API CPU s |"
+        "| snapshots/s | engine / API CPU s | engine / API CPU ms per scrape |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ratio = statistics.median(r["ratio_per_round"]) if r["ratio_per_round"] else 1.0
         snaps = "n/a" if r["snapshots_per_s"] is None else f"{r['snapshots_per_s']:.2f}"
         mode = {"none": "none", "tight": "tight loop"}.get(r["mode"], f"{r['mode']}/s")
+        per = "-"
+        if r["engine_cpu_ms_per_scrape"] is not None:
+            per = f"{r['engine_cpu_ms_per_scrape']:.1f} / {r['api_cpu_ms_per_scrape']:.1f}"
         print(
             f"| {r['src']} | {mode} | {r['tok_s_best']:.0f} / {r['tok_s_median']:.0f} "
             f"| {ratio:.2f} "
@@ -242,7 +261,7 @@ def print_table(rows: list[dict]) -> None:
             f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
             f"| {r['e2el_p50_ms']:.0f} / {r['e2el_p99_ms']:.0f} "
             f"| {r['scrapes_per_s']:.1f} | {r['scrape_p50_ms']:.1f} | {snaps} "
-            f"| {r['engine_cpu_s']:.1f} / {r['api_cpu_s']:.1f} |"
+            f"| {r['engine_cpu_s']:.1f} / {r['api_cpu_s']:.1f} | {per} |"
         )
 
 
