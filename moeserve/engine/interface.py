@@ -71,9 +71,15 @@ class Engine(Protocol):
         one engine step; returns the outputs of the requests that changed."""
         ...
 
-    def stats(self) -> dict:
+    def step_with_stats(self) -> tuple[list[RequestOutput], dict]:
+        """:meth:`step`, and :meth:`stats` without the self-check as they stand after it (an
+        engine group gathers every rank's with the step's outputs: no extra collective)."""
+        ...
+
+    def stats(self, self_check: bool = True) -> dict:
         """Queues, KV cache, prefix-cache and speculative-decoding counters, expert counts,
-        EPLB metrics and the KV-cache self-check (``LLMEngine.stats`` has the keys)."""
+        EPLB metrics and, with ``self_check``, the KV-cache self-check (``integrity``;
+        ``LLMEngine.stats`` has the keys)."""
         ...
 
     def eplb_command(self, action: str, path: str | None = None) -> dict:

@@ -7,7 +7,8 @@ Every rank runs one :class:`LLMEngine` for its DP replica. Each step::
               the caller (stop strings found by the API server); engine.step()
               (a replica with nothing to run joins the expert all-to-alls with an empty batch)
     all       replica leaders' RequestOutputs are gathered to every rank (JSON); rank 0
-              returns them to its caller
+              returns them to its caller (with ``stats: true`` in the step's message, every
+              rank's :meth:`LLMEngine.stats` without the self-check rides on that gather)
 
 Rank 0 assigns each request to the replica with the fewest unfinished sequences, so every DP
 replica owns its requests and KV cache. ``{cmd: stats}`` gathers every rank's
@@ -53,11 +54,15 @@ def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[Reque
     return engine.step()
 
 
-def exchange_outputs(groups: ParallelGroups, outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """Every replica leader's outputs of this step, on every rank."""
+def exchange_outputs(
+    groups: ParallelGroups, outputs: list[RequestOutput], stats: dict | None = None
+) -> tuple[list[RequestOutput], list[dict]]:
+    """Every replica leader's outputs of this step, on every rank, and the ``stats`` each rank
+    passed (in rank order; empty when none did), in the same gather."""
     mine = [codec.output_to_json(o) for o in outputs] if groups.is_replica_leader else []
-    parts = all_gather_json(mine, groups.world)
-    return [codec.output_from_json(o) for part in parts for o in part]
+    parts = all_gather_json({"outputs": mine, "stats": stats}, groups.world)
+    gathered = [codec.output_from_json(o) for part in parts for o in part["outputs"]]
+    return gathered, [part["stats"] for part in parts if part["stats"] is not None]
 
 
 def rank_info(engine: LLMEngine, groups: ParallelGroups) -> dict:
@@ -90,7 +95,7 @@ def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
             all_gather_json(rank_info(engine, groups), groups.world)
             continue
         if msg["cmd"] == STATS:
-            all_gather_json(engine.stats(), groups.world)
+            all_gather_json(engine.stats(msg.get("self_check", True)), groups.world)
             continue
         if msg["cmd"] == PING:
             continue
@@ -98,12 +103,14 @@ def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
             answer = run_command(engine.eplb, msg["action"], msg.get("path"), groups.world)
             all_gather_json(answer, groups.world)
             continue
-        exchange_outputs(groups, run_step(engine, groups, msg))
+        outputs = run_step(engine, groups, msg)
+        exchange_outputs(groups, outputs, engine.stats(False) if msg.get("stats") else None)
 
 
 def merge_stats(per_rank: list[dict], dims) -> dict:
     """One stats dict from every rank's (in rank order): the fields of one replica's stats
-    summed over replicas, plus ``replicas`` (each replica leader's own) and ``integrity``."""
+    summed over replicas, plus ``replicas`` (each replica leader's own) and ``integrity``
+    (when the ranks ran their self-check)."""
     leaders = [per_rank[dims.rank_of(d, dims.pp - 1, 0)] for d in range(dims.dp)]
     experts: dict[int, list[int]] = {}
     for st in per_rank:
@@ -112,8 +119,11 @@ def merge_stats(per_rank: list[dict], dims) -> dict:
             acc = experts.setdefault(layer, [0] * len(counts))
             for e, c in enumerate(counts):
                 acc[e] += c
-    failures = [f"rank {r}: {st['integrity']}" for r, st in enumerate(per_rank)]
-    failures = [f for f, st in zip(failures, per_rank) if st["integrity"] != "ok"]
+    failures = [
+        f"rank {r}: {st['integrity']}"
+        for r, st in enumerate(per_rank)
+        if st.get("integrity", "ok") != "ok"
+    ]
     summed = ("num_running", "num_waiting", "num_preemptions", "num_blocks", "num_free_blocks")
     summed += ("num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits")
     out = {k: sum(st[k] for st in leaders) for k in summed}
@@ -122,7 +132,8 @@ def merge_stats(per_rank: list[dict], dims) -> dict:
         out[f"spec_decode_{k}"] = sum(st.get(f"spec_decode_{k}", 0) for st in leaders)
     out["expert_counts"] = dict(sorted(experts.items()))
     out["eplb"] = merge_eplb([st.get("eplb") for st in per_rank])
-    out["integrity"] = failures[0] if failures else "ok"
+    if all("integrity" in st for st in per_rank):
+        out["integrity"] = failures[0] if failures else "ok"
     out["replicas"] = [
         {k: st[k] for k in ("num_running", "num_waiting", "kv_cache_usage")} for st in leaders
     ]
@@ -245,28 +256,44 @@ class EngineGroup:
         return bool(self._replica_of)
 
     def step(self) -> list[RequestOutput]:
+        return self._step(with_stats=False)[0]
+
+    def step_with_stats(self) -> tuple[list[RequestOutput], dict]:
+        """One step; every rank's stats (without the self-check) taken after it come back in
+        the step's own gather of outputs, merged as :meth:`stats` merges them."""
+        outputs, per_rank = self._step(with_stats=True)
+        return outputs, merge_stats(per_rank, self.groups.dims)
+
+    def _step(self, with_stats: bool) -> tuple[list[RequestOutput], list[dict]]:
         msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts, "finish": self._finishes}
+        if with_stats:
+            msg["stats"] = True
         self._adds, self._aborts, self._finishes = [], [], []
 
-        def take_step() -> list[RequestOutput]:
+        def take_step() -> tuple[list[RequestOutput], list[dict]]:
             broadcast_json(msg, self.groups.world, 0)
-            return exchange_outputs(self.groups, run_step(self.engine, self.groups, msg))
+            outputs = run_step(self.engine, self.groups, msg)
+            return exchange_outputs(
+                self.groups, outputs, self.engine.stats(False) if with_stats else None
+            )
 
-        outputs = self._collective(take_step)
+        outputs, per_rank = self._collective(take_step)
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
-        return outputs
+        return outputs, per_rank
 
-    def stats(self) -> dict:
+    def stats(self, self_check: bool = True) -> dict:
         """:meth:`LLMEngine.stats` of the whole group: queues and KV cache per DP replica
         (``replicas``, from each replica leader), prefix-cache counters and expert counts summed
-        (each MoE layer's counts from the ranks that report them), and the self-check of
-        every rank (``integrity``: "ok" or the first failure)."""
+        (each MoE layer's counts from the ranks that report them), and with ``self_check`` the
+        self-check of every rank (``integrity``: "ok" or the first failure). One broadcast and
+        one gather over the world: between two steps, :meth:`step_with_stats` costs less."""
+        msg = {"cmd": STATS, "self_check": self_check}
 
         def gather() -> list[dict]:
-            broadcast_json({"cmd": STATS}, self.groups.world, 0)
-            return all_gather_json(self.engine.stats(), self.groups.world)
+            broadcast_json(msg, self.groups.world, 0)
+            return all_gather_json(self.engine.stats(self_check), self.groups.world)
 
         return merge_stats(self._collective(gather), self.groups.dims)
 

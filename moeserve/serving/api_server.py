@@ -19,7 +19,7 @@ import asyncio
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 import moeserve
 from moeserve.serving.chat import create_chat_completion
@@ -49,14 +49,12 @@ STATS_TIMEOUT_S = 5.0
 EPLB_TIMEOUT_S = 300.0  # a re-placement moves every layer's experts before answering
 
 
-async def refresh_engine_stats(state: ServerState) -> dict | None:
-    """Ask the engine for its stats (between two steps); None when it cannot answer."""
-    try:
-        stats = await state.client.call("stats", timeout=STATS_TIMEOUT_S)
-    except (asyncio.TimeoutError, RuntimeError):
-        return None
-    state.metrics.set_engine_stats(stats)
-    return stats
+def refresh_engine_stats(state: ServerState) -> None:
+    """Hand the engine's latest stats snapshot to the metrics. The engine publishes them on its
+    own (``engine_core.SnapshotSchedule``), so a scrape sends it nothing and costs it nothing."""
+    snap = state.client.stats
+    if snap is not None:
+        state.metrics.set_engine_stats(snap.stats, snap.seq, state.client.stats_received_at)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -98,8 +96,8 @@ def public_router(state: ServerState) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics() -> Response:
-        await refresh_engine_stats(state)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        refresh_engine_stats(state)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return router
 
@@ -169,9 +167,10 @@ def debug_router(state: ServerState) -> APIRouter:
 
     @router.get("/debug/engine", responses=_ERRORS)
     async def debug_engine() -> JSONResponse:
-        stats = await refresh_engine_stats(state)
-        if stats is None:
-            raise unavailable("the engine did not answer")
+        try:  # asked now, between two steps, with the KV self-check (not the snapshot)
+            stats = await state.client.call("stats", timeout=STATS_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError):
+            raise unavailable("the engine did not answer") from None
         return JSONResponse(stats)
 
     async def eplb(action: str) -> JSONResponse:

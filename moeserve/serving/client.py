@@ -3,6 +3,8 @@ messages, and route its outputs to the request that waits for them (asyncio, Zer
 
 One reader task takes every message from the engine and hands each RequestOutput to its
 request's queue, so a slow HTTP client only ever delays its own queue, never the engine.
+The reader also keeps the engine's latest stats snapshot (:attr:`EngineClient.stats`), which
+the engine publishes on its own; ``/metrics`` reads it without a message to the engine.
 A watchdog notices an engine process that exits; every waiting request then ends with
 :class:`EngineDeadError` and the server stops.
 """
@@ -17,6 +19,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -88,6 +91,8 @@ class EngineClient:
         self.pull.bind(f"ipc://{ipc_dir}/output")
         self.ready: m.Ready | None = None
         self.dead: str | None = None
+        self.stats: m.StatsSnapshot | None = None  # the engine's latest, as it published it
+        self.stats_received_at = 0.0  # time.monotonic() when it arrived
         self._closing = False
         self._streams: dict[str, RequestStream] = {}
         self._adds: dict[str, asyncio.Future[m.AddResult]] = {}
@@ -241,6 +246,8 @@ class EngineClient:
                 future = self._adds.pop(msg.request_id, None)
                 if future is not None and not future.done():
                     future.set_result(msg)
+            elif isinstance(msg, m.StatsSnapshot):
+                self.stats, self.stats_received_at = msg, time.monotonic()
             elif isinstance(msg, m.CallResult):
                 future = self._calls.get(msg.call_id)
                 if future is not None and not future.done():

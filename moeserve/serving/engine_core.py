@@ -9,12 +9,16 @@ connects to both. Its loop, between two steps::
                                      AbortRequests / FinishSample -> applied before the step
                                      Call -> answered (stats gathered from every rank)
     engine.step()                    when there is work; its RequestOutputs (deltas) go out
-                                     as one StepOutputs message
+                                     as one StepOutputs message, after a StatsSnapshot when
+                                     one is due (SnapshotSchedule)
 
-With nothing to run it sleeps in ``poll`` until a message arrives (an engine group keeps its
-own workers awake meanwhile). It stops on Shutdown, on SIGTERM,
-or when its parent dies, always shutting the engine group down first; an engine that fails
-sends EngineDead with the reason and exits 1.
+The engine publishes its stats itself (``StatsSnapshot``, without the KV self-check): with a
+step at most every ``messages.STATS_INTERVAL_S`` (0.5 s) while it runs requests, and once
+when it goes idle with anything changed, so ``/metrics`` never sends a message here and what
+the stats cost does not depend on how often anyone scrapes. With nothing to run it sleeps in
+``poll`` until a message arrives (an engine group keeps its own workers awake meanwhile). It
+stops on Shutdown, on SIGTERM, or when its parent dies, always shutting the engine group down
+first; an engine that fails sends EngineDead with the reason and exits 1.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 
 import zmq
 
@@ -37,9 +43,9 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 500
 
 
-def engine_stats(engine: Engine) -> dict:
-    """The whole engine's stats in one shape for a single process and a group."""
-    stats = engine.stats()
+def engine_stats(stats: dict) -> dict:
+    """An engine's ``stats()`` in one shape for a single process and a group (``replicas``
+    for each DP replica, layer keys as strings)."""
     if "replicas" not in stats:
         keys = ("num_running", "num_waiting", "kv_cache_usage")
         stats["replicas"] = [{k: stats[k] for k in keys}]
@@ -54,13 +60,56 @@ def eplb_call(engine: Engine, action: str) -> dict:
     return engine.eplb_command(action)
 
 
+class SnapshotSchedule:
+    """When the engine publishes a stats snapshot: with a step, when the last snapshot is
+    ``interval_s`` old or more (so at most one per step, and one per ``interval_s`` while the
+    engine runs requests); and when the engine is idle and anything changed since the last
+    one (a step ran, a message was applied; at the start: none published yet), so an idle
+    engine's last snapshot holds its numbers as they stay. Nothing else publishes one."""
+
+    def __init__(
+        self, interval_s: float = m.STATS_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self.last: float | None = None  # when the last snapshot was published
+        self.changed = True
+        self.published = 0
+
+    def due_with_step(self) -> bool:
+        """Whether the coming step should bring the engine's stats back."""
+        return self.last is None or self.clock() - self.last >= self.interval_s
+
+    def due_when_idle(self) -> bool:
+        """Whether an idle engine should publish now."""
+        return self.changed
+
+    def touch(self) -> None:
+        """The engine's state may have changed (a step, an applied message)."""
+        self.changed = True
+
+    def mark_published(self) -> int:
+        """Record a snapshot published now; returns its sequence number (1, 2, ...)."""
+        self.last = self.clock()
+        self.changed = False
+        self.published += 1
+        return self.published
+
+
 class EngineCore:
     def __init__(
-        self, engine: Engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
+        self,
+        engine: Engine,
+        inp: zmq.Socket,
+        out: zmq.Socket,
+        parent_pid: int | None,
+        snapshots: SnapshotSchedule | None = None,
     ) -> None:
         self.engine = engine
         self.inp, self.out = inp, out
         self.parent_pid = parent_pid
+        self.snapshots = snapshots or SnapshotSchedule()
+        self.calls_received = 0  # Call messages: /debug/engine and the admin calls, not /metrics
         self.stopping = False
 
     def send(self, msg: m.Message) -> None:
@@ -72,13 +121,32 @@ class EngineCore:
                 logger.warning("the API server process is gone: shutting the engine down")
                 return
             busy = self.engine.has_unfinished_requests()
+            if not busy and self.snapshots.due_when_idle():
+                self._publish(self.engine.stats(self_check=False))
             self._receive(0 if busy else _IDLE_POLL_MS)
             if self.stopping:
                 break
             if self.engine.has_unfinished_requests():
-                outputs = self.engine.step()
-                if outputs:
-                    self.send(m.StepOutputs(outputs))
+                self._step()
+
+    def _step(self) -> None:
+        """One engine step. A snapshot due with it goes out before its StepOutputs, and so
+        does the one of an engine that this step left idle: whoever has seen a request finish
+        and then scrapes sees the stats of the step that finished it."""
+        if self.snapshots.due_with_step():
+            outputs, stats = self.engine.step_with_stats()
+        else:
+            outputs, stats = self.engine.step(), None
+        self.snapshots.touch()
+        if stats is None and not self.engine.has_unfinished_requests():
+            stats = self.engine.stats(self_check=False)
+        if stats is not None:
+            self._publish(stats)
+        if outputs:
+            self.send(m.StepOutputs(outputs))
+
+    def _publish(self, stats: dict) -> None:
+        self.send(m.StatsSnapshot(engine_stats(stats), self.snapshots.mark_published()))
 
     def _receive(self, timeout_ms: int) -> None:
         if not self.inp.poll(timeout_ms):
@@ -93,6 +161,8 @@ class EngineCore:
                 return
 
     def _handle(self, msg: m.Message) -> None:
+        if not (isinstance(msg, m.Call) and msg.method == "stats"):  # that one changes nothing
+            self.snapshots.touch()
         if isinstance(msg, m.AddRequest):
             self._add(msg)
         elif isinstance(msg, m.AbortRequests):
@@ -101,6 +171,7 @@ class EngineCore:
         elif isinstance(msg, m.FinishSample):
             self.engine.finish_sample(msg.request_id, msg.index, msg.stop)
         elif isinstance(msg, m.Call):
+            self.calls_received += 1
             self.send(self._call(msg))
         elif isinstance(msg, m.Shutdown):
             self.stopping = True
@@ -118,8 +189,10 @@ class EngineCore:
             self.send(m.AddResult(msg.request_id))
 
     def _call(self, msg: m.Call) -> m.CallResult:
-        if msg.method == "stats":
-            return m.CallResult(msg.call_id, engine_stats(self.engine))
+        if msg.method == "stats":  # /debug/engine: fresh, with the KV self-check
+            stats = engine_stats(self.engine.stats(self_check=True))
+            stats["calls_received"] = self.calls_received
+            return m.CallResult(msg.call_id, stats)
         if msg.method == "eplb":
             try:
                 return m.CallResult(msg.call_id, eplb_call(self.engine, **(msg.args or {})))

@@ -9,7 +9,8 @@ API server -> engine                         engine -> API server
   AbortRequests drop requests now              AddResult    accepted, or refused and why
   FinishSample  a stop string ended a sample   StepOutputs  this step's RequestOutputs (deltas)
   Call          ask for stats / a self-check   CallResult   the answer to a Call
-  Shutdown      stop the engine group          EngineDead   the engine failed; it will exit
+  Shutdown      stop the engine group          StatsSnapshot the engine's stats, unasked
+                                               EngineDead   the engine failed; it will exit
 """
 
 from __future__ import annotations
@@ -90,6 +91,19 @@ class CallResult:
     error: str | None = None
 
 
+STATS_INTERVAL_S = 0.5  # the shortest gap between two StatsSnapshots of an engine at work
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """The engine's stats (``engine_core.engine_stats``, without the self-check), published by
+    the engine on its own schedule (``engine_core.SnapshotSchedule``), never in answer to a
+    message; ``seq`` counts the snapshots published so far, this one included."""
+
+    stats: dict
+    seq: int
+
+
 @dataclass(frozen=True)
 class EngineDead:
     message: str
@@ -107,6 +121,7 @@ _TYPES = {
         AddResult,
         StepOutputs,
         CallResult,
+        StatsSnapshot,
         EngineDead,
     )
 }
@@ -120,6 +135,7 @@ Message = (
     | AddResult
     | StepOutputs
     | CallResult
+    | StatsSnapshot
     | EngineDead
 )
 

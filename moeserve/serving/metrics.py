@@ -2,16 +2,24 @@
 
 Latencies and token counts are observed here, in the API server, as clients see them. Queue
 lengths, KV-cache use, prefix-cache counters and the tokens routed to each expert come from
-the engine (``stats``), fetched when ``/metrics`` is scraped and exported by a collector.
+the engine's latest stats snapshot, which the engine publishes on its own (with a step at
+most every ``messages.STATS_INTERVAL_S`` while it runs requests, and once when it goes
+idle); a scrape exports the snapshot as it is, however old (``engine_stats_age_seconds``
+says how old), and never asks the engine. Snapshots arrive in order, so the engine's
+counters stay monotonic. The engine's series (tens of thousands for a large MoE: tokens per
+expert per layer) are rendered once per snapshot, not per scrape (:meth:`ServerMetrics.render`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from moeserve.serving.messages import STATS_INTERVAL_S
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5)
 _TTFT_BUCKETS += (5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -27,6 +35,8 @@ class _EngineCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats: dict | None = None
+        self.seq = 0  # the snapshot's number (the engine counts them from 1); 0: unknown
+        self.received_at: float | None = None  # time.monotonic() when it arrived
 
     def collect(self) -> Iterator[Metric]:
         st = self.stats
@@ -81,6 +91,38 @@ class _EngineCollector(Collector):
                 ratio.add_metric([name, str(layer)], max(counts) * len(counts) / total)
         yield tokens
         yield ratio
+
+
+class _SnapshotCollector(Collector):
+    """The age and number of the engine's snapshot: rendered at every scrape (the age moves)."""
+
+    def __init__(self, engine: _EngineCollector) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        if e.stats is not None and e.received_at is not None:
+            yield from _snapshot_metrics(e.model_name, e.seq, time.monotonic() - e.received_at)
+
+
+def _snapshot_metrics(name: str, seq: int, age_s: float) -> Iterator[Metric]:
+    age = GaugeMetricFamily(
+        "moeserve:engine_stats_age_seconds",
+        "Seconds since the engine published the stats exported here. It publishes at most "
+        f"every {STATS_INTERVAL_S:g} s while it runs requests and once when it goes idle, so a "
+        "large age with requests running means a long step or a stuck engine; with none, "
+        "nothing changed.",
+        labels=["model_name"],
+    )
+    age.add_metric([name], max(0.0, age_s))
+    yield age
+    published = CounterMetricFamily(
+        "moeserve:engine_stats_snapshots",
+        "Stats snapshots the engine has published (on its own schedule, not per scrape).",
+        labels=["model_name"],
+    )
+    published.add_metric([name], seq)
+    yield published
 
 
 def _spec_decode_metrics(name: str, st: dict) -> Iterator[Metric]:
@@ -214,10 +256,30 @@ class ServerMetrics:
         )
         self.model_name = model_name
         self.engine = _EngineCollector(model_name)
-        r.register(self.engine)
+        r.register(_SnapshotCollector(self.engine))
+        self.engine_registry = CollectorRegistry()  # the snapshot's series, rendered apart
+        self.engine_registry.register(self.engine)
+        self._engine_version = 0  # bumped by every new snapshot
+        self._engine_text: tuple[int, bytes] = (0, b"")  # (version, its rendering)
 
     def request_success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()
 
-    def set_engine_stats(self, stats: dict) -> None:
-        self.engine.stats = stats
+    def set_engine_stats(self, stats: dict, seq: int = 0, received_at: float | None = None) -> None:
+        """Export ``stats`` (snapshot number ``seq``, arrived at ``received_at``, a
+        ``time.monotonic()``; without it no age is exported) from now on. The same snapshot
+        again changes nothing."""
+        c = self.engine
+        if stats is c.stats and seq == c.seq and received_at == c.received_at:
+            return
+        c.stats, c.seq, c.received_at = stats, seq, received_at
+        self._engine_version += 1
+
+    def render(self) -> bytes:
+        """The Prometheus text of every series: this server's rendered now, the engine's as
+        rendered once for its current snapshot (they change only with the snapshot)."""
+        version, text = self._engine_text
+        if version != self._engine_version:
+            text = generate_latest(self.engine_registry)
+            self._engine_text = (self._engine_version, text)
+        return generate_latest(self.registry) + text

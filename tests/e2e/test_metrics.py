@@ -91,3 +91,81 @@ def test_counters_match_what_was_sent(server, http, client, model):
         assert sums_after[layer] - sums_before.get(layer, 0.0) == top_k * computed
         ratio = after[("moeserve:expert_load_max_mean_ratio", (("layer", layer),))]
         assert ratio >= 1.0
+
+
+def _families(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def test_scrapes_read_the_engines_snapshot_and_never_ask_the_engine(server, http, client, model):
+    """Scrapes in a tight loop during a generation: every answer is valid Prometheus text with
+    the engine's series; the engine received no message for them (its Call count moves only
+    by the /debug/engine call that reads it); its snapshots came on its own schedule, fewer
+    than the scrapes, changed while it generated, and once idle hold the request's counts."""
+    import threading
+    import time
+
+    from moeserve.serving.messages import STATS_INTERVAL_S
+
+    calls_before = http.get("/debug/engine").json()["calls_received"]
+    before = _scrape(server.url)
+    prompt = "a long generation while someone scrapes"
+    result = {}
+
+    def generate() -> None:
+        result["r"] = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=400,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    worker = threading.Thread(target=generate)
+    seen = []  # (snapshot number, requests running, generated tokens) of each scrape
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        t0 = time.monotonic()
+        worker.start()
+        while worker.is_alive():
+            r = c.get("/metrics")
+            assert r.status_code == 200
+            s = _families(r.text)
+            seen.append(
+                (
+                    s[("moeserve:engine_stats_snapshots_total", ())],
+                    s[("moeserve:num_requests_running", (("engine", "0"),))],
+                    sum(v for (n, _), v in s.items() if n == "moeserve:expert_tokens_total"),
+                )
+            )
+            assert 0 <= s[("moeserve:kv_cache_usage_perc", (("engine", "0"),))] <= 1
+            assert s[("moeserve:engine_stats_age_seconds", ())] >= 0
+        took = time.monotonic() - t0
+    worker.join()
+    after = _scrape(server.url)
+    calls_after = http.get("/debug/engine").json()["calls_received"]
+
+    assert calls_after - calls_before == 1  # the second /debug/engine call itself
+    assert len(seen) >= 20
+    published = after[("moeserve:engine_stats_snapshots_total", ())] - seen[0][0]
+    assert published < len(seen)
+    assert published <= took / STATS_INTERVAL_S + 3  # busy: one per interval; + going idle
+    # while generating: the request ran, and the snapshots moved (expert counts grew)
+    running = [x for x in seen if x[1] == 1]
+    assert running and len({x[0] for x in running}) >= 2
+    assert len({x[2] for x in running}) >= 2
+    assert all(a[0] <= b[0] and a[2] <= b[2] for a, b in zip(seen, seen[1:]))  # monotonic
+
+    # idle: the last snapshot holds the finished request's counts
+    usage = result["r"].usage
+    assert after[("moeserve:num_requests_running", (("engine", "0"),))] == 0
+    assert _delta(after, before, "moeserve:prefix_cache_queries_total") == usage.prompt_tokens
+    computed = usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens
+    computed += usage.completion_tokens - 1
+    sums_before, sums_after = _expert_sums(before), _expert_sums(after)
+    for layer, total in sums_after.items():
+        assert total - sums_before.get(layer, 0.0) == DEMO_CONFIG["num_experts_per_tok"] * computed

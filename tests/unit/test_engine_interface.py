@@ -39,6 +39,7 @@ def test_the_protocol_lists_the_request_api():
         "finish_sample",
         "has_unfinished_requests",
         "step",
+        "step_with_stats",
         "stats",
         "eplb_command",
         "shutdown",
@@ -86,9 +87,13 @@ def test_a_one_process_engine_answers_the_whole_protocol(tmp_path):
     assert all(hasattr(engine, n) for n in data)
     assert engine.max_model_len == 64 and engine.config.max_model_len == 64
     engine.add_request("r", [3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    outputs, stats = engine.step_with_stats()
+    assert stats["num_running"] == 1 and "integrity" not in stats  # no self-check with a step
+    assert outputs[0].request_id == "r"
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.stats()["num_running"] == 0
+    assert engine.stats()["num_running"] == 0 and engine.stats()["integrity"] == "ok"
+    assert "integrity" not in engine.stats(self_check=False)
     assert engine.eplb_command("status") == engine.eplb.metrics()
     assert eplb_call(engine, "status") == engine.eplb.metrics()  # the engine process's call
     with pytest.raises(ValueError, match="unknown EPLB action"):

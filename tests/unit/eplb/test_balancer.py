@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from prometheus_client import generate_latest
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import EngineConfig, EplbOptions
@@ -105,7 +104,7 @@ def test_rank_imbalance_and_merge_and_export():
             "eplb": merged,
         }
     )
-    text = generate_latest(metrics.registry).decode()
+    text = metrics.render().decode()
     assert 'moeserve:eplb_window_expert_tokens{expert="0",layer="1",model_name="m"} 8.0' in text
     assert 'moeserve:eplb_imbalance{layer="1",model_name="m"} 1.333' in text
     assert 'moeserve:eplb_imbalance_before{layer="1",model_name="m"} 1.5' in text

@@ -44,6 +44,7 @@ def test_messages_round_trip_and_refuse_strangers():
         m.AddResult("r", "queue_full", "full"),
         m.StepOutputs([out]),
         m.CallResult(7, {"a": [1]}),
+        m.StatsSnapshot({"replicas": [{"num_running": 1}], "expert_counts": {"1": [2]}}, 3),
         m.EngineDead("boom"),
     ):
         assert m.decode(m.encode(msg)) == msg
@@ -179,3 +180,6 @@ def test_merge_stats_sums_replicas_and_reports_failures():
     assert st["integrity"] == "rank 2: bad"
     assert [r["num_running"] for r in st["replicas"]] == [3, 1]
     assert st["kv_cache_usage"] == 0.5
+    # stats taken without the self-check (the snapshots) merge without an integrity verdict
+    unchecked = [{k: v for k, v in r.items() if k != "integrity"} for r in per_rank]
+    assert "integrity" not in merge_stats(unchecked, dims)
