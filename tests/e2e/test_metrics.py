@@ -121,7 +121,7 @@ def test_scrapes_read_the_engines_snapshot_and_never_ask_the_engine(server, http
         result["r"] = client.completions.create(
             model=model,
             prompt=prompt,
-            max_tokens=400,
+            max_tokens=1500,  # long enough for several snapshot intervals on a fast host
             temperature=0,
             extra_body={"ignore_eos": True},
         )
@@ -149,6 +149,7 @@ def test_scrapes_read_the_engines_snapshot_and_never_ask_the_engine(server, http
     after = _scrape(server.url)
     calls_after = http.get("/debug/engine").json()["calls_received"]
 
+    assert took > 3 * STATS_INTERVAL_S, took  # else the test says nothing about the schedule
     assert calls_after - calls_before == 1  # the second /debug/engine call itself
     assert len(seen) >= 20
     published = after[("moeserve:engine_stats_snapshots_total", ())] - seen[0][0]
