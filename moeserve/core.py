@@ -301,13 +301,22 @@ class ScheduledSeq:
     def end(self) -> int:
         return self.start + self.num_new_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One generated token, run through the decode path (MLA: absorbed attention over the
+        paged cache). A prompt token runs the prefill path even alone (a prefix-cache hit or
+        a chunk that leaves one token): the two paths round differently, and a prompt's
+        numbers must not depend on how it was cached or split."""
+        return self.num_new_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
 
 @dataclass(frozen=True)
 class Batch:
     """What the scheduler hands the model runner for one step.
 
-    Sequences that run exactly one token (decodes) come first, then multi-token chunks
-    (prefills); the attention backends rely on that order.
+    Decodes (:attr:`ScheduledSeq.is_decode`) come first, then prefill chunks (one or more
+    prompt tokens, or recomputed tokens after a preemption); the attention backends rely on
+    that order.
     """
 
     seqs: tuple[ScheduledSeq, ...]
@@ -318,7 +327,7 @@ class Batch:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for s in self.seqs if s.num_new_tokens == 1)
+        return sum(1 for s in self.seqs if s.is_decode)
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -188,10 +188,14 @@ class LLMEngine:
         )
 
     def _log_ready(self, seconds: float) -> None:
+        # the weights' format beside the compute dtype: dtype "auto" on an AMX CPU computes
+        # in fp32 over bf16 weights, which round unlike fp32 weights
         logger.info(
-            "engine ready in %.1fs: %s, %s on %s, %d KV blocks (%.2f GiB), max_model_len %d",
+            "engine ready in %.1fs: %s, %s weights, %s activations on %s, %d KV blocks "
+            "(%.2f GiB), max_model_len %d",
             seconds,
             self.model_config.architecture,
+            self.weight_format or str(self.dtype).removeprefix("torch."),
             self.dtype,
             self.device,
             self.kv_pool.num_blocks,

@@ -68,6 +68,7 @@ class ModelRunner:
             [s.seq.block_table for s in batch.seqs],
             self.block_size,
             self.device,
+            num_decodes=batch.num_decodes,
         )
         to = dict(dtype=torch.long, device=self.device)
         return torch.tensor(ids, **to), torch.tensor(positions, **to), meta
@@ -184,10 +185,11 @@ class ModelRunner:
         first, as one decode row per token (the paged decode path, spec/batch.py:
         attention_rows), then prefill chunks."""
         entries = batch.seqs
-        as_dec = [bool(drafts[i]) or e.num_new_tokens == 1 for i, e in enumerate(entries)]
+        as_dec = [bool(drafts[i]) or e.is_decode for i, e in enumerate(entries)]
         order = sorted(range(len(entries)), key=lambda i: not as_dec[i])
         ids, positions, starts, nums, tables = [], [], [], [], []
         first_row = [0] * len(entries)
+        decode_rows = 0
         for i in order:
             e = entries[i]
             first_row[i] = len(ids)
@@ -198,7 +200,10 @@ class ModelRunner:
             starts += rows[0]
             nums += rows[1]
             tables += rows[2]
-        meta = AttentionMetadata.build(starts, nums, tables, self.block_size, self.device)
+            decode_rows += n if as_dec[i] else 0
+        meta = AttentionMetadata.build(
+            starts, nums, tables, self.block_size, self.device, num_decodes=decode_rows
+        )
         h_TD, _ = self._forward_stage(self._long(ids), self._long(positions), meta)
         return h_TD, first_row
 

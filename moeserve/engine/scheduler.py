@@ -199,8 +199,8 @@ class Scheduler:
 
         if not scheduled:
             return None
-        # decodes (one new token) first, then multi-token chunks; stable within each group
-        order = sorted(range(len(scheduled)), key=lambda j: scheduled[j].num_new_tokens != 1)
+        # decodes (one generated token) first, then prefill chunks; stable within each group
+        order = sorted(range(len(scheduled)), key=lambda j: not scheduled[j].is_decode)
         entries = tuple(scheduled[j] for j in order)
         if not self.config.num_spec_tokens:
             return Batch(entries)

@@ -11,13 +11,20 @@ Every block is in exactly one state::
                                                            evicted least recently freed first
     used       ref > 0               in some block tables  ref == number of tables holding it
 
-Prefix caching: once all ``block_size`` tokens of a block are computed, the block gets the
-chained hash ``sha256(parent_hash + tokens)`` (``parent_hash`` is the previous block's hash, empty
-for the first block), so a hash names the whole prefix up to the block's end, not only its
+Prefix caching: once all ``block_size`` tokens of a prompt block are computed, the block gets
+the chained hash ``sha256(parent_hash + tokens)`` (``parent_hash`` is the previous block's hash,
+empty for the first block), so a hash names the whole prefix up to the block's end, not only its
 tokens. sha256 rather than Python's ``hash``: 256 bits make a collision (which would silently
 reuse the wrong KV) negligible, and the value is the same in every process and host. A new
 sequence reuses the longest chain of cached blocks that matches its tokens, but never all of
 them: at least one token is left to compute, so the step has logits to sample from.
+
+Only blocks of prompt tokens are cached: their KV was computed by the prefill path, as a cold
+run of any prompt that starts with them computes it, so a hit gives the numbers a cold run
+gives. A block holding generated tokens was computed by the decode path (MLA's absorbed
+attention), which rounds differently (with bf16 weights, enough to change a later prompt's
+greedy output); a next turn that repeats an answer recomputes it once, as part of its prompt,
+and the turn after hits those blocks.
 """
 
 from __future__ import annotations
@@ -141,7 +148,8 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` that became full of computed tokens in the cache.
+        """Register the blocks of ``seq``'s prompt that became full of computed tokens in the
+        cache (blocks reaching into its output are never registered: module docstring).
 
         Call after ``seq.num_computed_tokens`` advanced. A hash that already names another
         block keeps that block; this one stays unregistered and is freed as a plain block.
@@ -150,7 +158,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(hashes), seq.num_computed_tokens // bs):
+        full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
+        for i in range(len(hashes), full):
             parent = hashes[-1] if hashes else b""
             h = hash_block(parent, seq.token_ids_slice(i * bs, (i + 1) * bs))
             hashes.append(h)

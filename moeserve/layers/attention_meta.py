@@ -12,7 +12,8 @@ Decodes read their context straight from the paged cache through ``decode_block_
 ``decode_context_lens_B`` (the decode kernels of ``ops/cpu/attention.py``); the gather
 references read it through ``decode_slots_BL`` and ``decode_bias_B1L``, built from those on
 first use. A prefill chunk attends causally to its cached prefix plus itself through
-``slots_L``.
+``slots_L``; it may be a single token (the last prompt token after a prefix-cache hit), which
+still takes the prefill path, as it does in a cold run.
 """
 
 from __future__ import annotations
@@ -82,13 +83,20 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        num_decodes: int | None = None,
     ) -> AttentionMetadata:
-        """Metadata for sequences whose decodes (``num_new == 1``) come first. Plain Python
-        lists, then one tensor each: a few tensor ops per step, not per sequence."""
+        """Metadata for sequences whose ``num_decodes`` decodes (one new token each, run
+        through the decode path) come first; the entries after them are prefill chunks, of
+        one token too. ``num_decodes=None``: every leading one-token entry is a decode. Plain
+        Python lists, then one tensor each: a few tensor ops per step, not per sequence.
+        Raises ValueError when one of the first ``num_decodes`` entries has more tokens."""
         bs = block_size
-        num_decodes = 0
-        while num_decodes < len(num_new) and num_new[num_decodes] == 1:
-            num_decodes += 1
+        if num_decodes is None:
+            num_decodes = 0
+            while num_decodes < len(num_new) and num_new[num_decodes] == 1:
+                num_decodes += 1
+        elif any(n != 1 for n in num_new[:num_decodes]):
+            raise ValueError(f"the first {num_decodes} entries must be decodes, got {num_new}")
 
         def slots_of(table: list[int], start: int, stop: int) -> list[int]:
             return [table[p // bs] * bs + p % bs for p in range(start, stop)]

@@ -71,7 +71,8 @@ def test_allocate_append_free_accounting(make_bm):
     bm.free(seq)
     assert seq.block_table == [] and seq.num_computed_tokens == 0
     assert bm.num_free_blocks == 8 and bm.usage == 0.0
-    assert bm.num_cached_blocks == 3  # the three full blocks stay cached
+    # the two full prompt blocks stay cached; block 2 (prompt 8, 9 and outputs 7, 8) does not
+    assert bm.num_cached_blocks == 2
 
 
 def test_cannot_allocate_more_than_free(make_bm):
@@ -196,6 +197,26 @@ def test_duplicate_blocks_keep_the_first_registration(make_bm):
     assert bm.num_cached_blocks == 0
     bm.free(a)
     assert bm.num_cached_blocks == 2
+
+
+def test_only_prompt_blocks_are_cached(make_bm):
+    """A block reaching into the output was computed by the decode path: a later prompt that
+    repeats those tokens recomputes them (and caches its own prompt blocks)."""
+    bm = make_bm()
+    a = make_seq(list(range(6)))
+    admit_and_compute(bm, a)
+    for t in (40, 41, 42, 43):  # decodes fill block 1 (prompt 4, 5, outputs 40, 41) and more
+        a.append_token(t, None)
+        bm.allocate(a, 1)
+        a.num_computed_tokens += 1
+        bm.commit_full_blocks(a)
+    bm.free(a)
+    assert bm.num_cached_blocks == 1
+    turn2 = make_seq(list(range(6)) + [40, 41, 42, 43, 7])
+    assert len(bm.lookup_prefix(turn2)) == 1
+    admit_and_compute(bm, turn2)  # its block 1 is prompt now, computed by the prefill
+    bm.free(turn2)
+    assert len(bm.lookup_prefix(make_seq(turn2.prompt_token_ids + [8]))) == 2
 
 
 def test_check_integrity_catches_corruption():

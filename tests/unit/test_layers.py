@@ -92,7 +92,23 @@ def test_absorbed_decode_equals_naive_attention():
         attn.kv_cache.zero_()
         attn(pos[:-1], x[:-1], AttentionMetadata.build([0], [L - 1], [table], bs))
         absorbed = attn(pos[-1:], x[-1:], AttentionMetadata.build([L - 1], [1], [table], bs))
+        # the same token as a one-token prefill chunk (a prompt's last token after a prefix
+        # hit): naive attention over the cached context, as the whole prompt's prefill
+        chunk = AttentionMetadata.build([L - 1], [1], [table], bs, num_decodes=0)
+        one = attn(pos[-1:], x[-1:], chunk)
     torch.testing.assert_close(absorbed[0], naive[-1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(one[0], naive[-1], rtol=1e-5, atol=1e-6)
+
+
+def test_one_token_prefill_chunk_metadata():
+    table, bs = [5, 2, 7, 0, 1, 3], 4
+    meta = AttentionMetadata.build([3, 22], [1, 1], [table, table], bs, num_decodes=1)
+    assert meta.num_decodes == 1 and meta.decode_context_lens_B.tolist() == [4]
+    (chunk,) = meta.prefills
+    assert (chunk.token_start, chunk.num_tokens, chunk.context_start) == (1, 1, 22)
+    assert chunk.slots_L.tolist() == [table[p // bs] * bs + p % bs for p in range(23)]
+    with pytest.raises(ValueError, match="decodes"):
+        AttentionMetadata.build([0], [3], [table], bs, num_decodes=1)
 
 
 def _random_mla(int8: bool) -> MLAttention:

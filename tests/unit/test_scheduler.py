@@ -48,8 +48,9 @@ def step(sched: Scheduler) -> list[Ran] | None:
         return None
     assert batch.num_tokens <= sched.config.max_num_batched_tokens
     assert len(batch) <= sched.config.max_num_seqs
-    sizes = [s.num_new_tokens for s in batch.seqs]
-    assert sizes == sorted(sizes, key=lambda n: n != 1)  # decodes first
+    decodes = [s.is_decode for s in batch.seqs]
+    assert decodes == sorted(decodes, reverse=True)  # decodes first
+    assert batch.num_decodes == sum(decodes)
     for s in batch.seqs:
         assert s.start == s.seq.num_computed_tokens
         assert len(s.seq.block_table) * BS >= s.end
@@ -158,13 +159,16 @@ def test_chunked_prefill_shares_the_budget_with_decodes():
     assert [r.num_new_tokens for r in batch] == [1, 9]
 
 
-def test_single_token_entries_come_first():
+def test_decodes_come_first_and_one_prompt_token_is_a_prefill_chunk():
     sched = Scheduler(config(max_num_batched_tokens=10))
-    sched.add(a := make_seq(list(range(19))))
+    sched.add(a := make_seq([1, 2]))
+    step(sched)  # a's prompt; a decodes from now on
+    sched.add(c := make_seq(list(range(8))))
     sched.add(b := make_seq([1, 2, 3, 4, 5]))
-    step(sched)  # a: 10 tokens
-    batch = sched.schedule()  # a: its last 9 tokens, then b: the 1 token of budget left
-    assert [(s.seq, s.num_new_tokens) for s in batch.seqs] == [(b, 1), (a, 9)]
+    batch = sched.schedule()  # a's decode, c's 8 tokens, b's first token: the budget left
+    assert [(s.seq, s.num_new_tokens) for s in batch.seqs] == [(a, 1), (c, 8), (b, 1)]
+    # b's token is a prompt token: it runs the prefill path, as it would in a longer chunk
+    assert [s.is_decode for s in batch.seqs] == [True, False, False]
     assert batch.num_decodes == 1
 
 
