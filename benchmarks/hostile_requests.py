@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+from server_process import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "hi"}]
@@ -64,8 +64,8 @@ def bodies() -> list[tuple[str, str, bytes]]:
     return out
 
 
-def start_server(src: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", "0", "--log-level", "info"]
+def start(src: Path) -> tuple[subprocess.Popen, str]:
+    """A server of checkout ``src``, with ``--trust-request-chat-template`` where it has it."""
     env = dict(os.environ, PYTHONPATH=str(src))
     helptext = subprocess.run(
         [sys.executable, "-m", "moeserve.cli", "serve", "--help"],
@@ -74,31 +74,8 @@ def start_server(src: Path) -> tuple[subprocess.Popen, str]:
         env=env,
         cwd=src,
     ).stdout
-    if "--trust-request-chat-template" in helptext:
-        cmd.append("--trust-request-chat-template")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=src
-    )
-    found: dict[str, str] = {}
-
-    def pump() -> None:
-        for line in proc.stderr:
-            m = re.search(r"on (http://[\d.]+:\d+)", line)
-            if m:
-                found["url"] = m.group(1)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if "url" in found:
-            try:
-                if httpx.get(f"{found['url']}/health", timeout=2).status_code == 200:
-                    return proc, found["url"]
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"the server of {src} did not start")
+    trust = "--trust-request-chat-template"
+    return start_server([trust] if trust in helptext else [], src)
 
 
 def probe(url: str, stop: threading.Event, out: list[float]) -> None:
@@ -139,7 +116,7 @@ def main() -> None:
     args = ap.parse_args()
     results = []
     for src in [Path(s).resolve() for s in args.src.split(",")]:
-        proc, url = start_server(src)
+        proc, url = start(src)
         try:
             for label, path, body in bodies():
                 row = {"src": str(src.name), "body": label, **measure(url, path, body)}

@@ -32,11 +32,9 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -46,45 +44,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from server_process import start_server  # noqa: E402
+
 from moeserve.bench.serving import ServingBenchConfig, run_benchmark  # noqa: E402
 
 SNAPSHOTS = "moeserve:engine_stats_snapshots_total"
-
-
-def start_server(src: Path, args: list[str]) -> tuple[subprocess.Popen, str]:
-    """``moeserve serve --port 0 ARGS`` from checkout ``src``; returns once /health is 200."""
-    cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", "0", "--log-level", "info"]
-    env = dict(os.environ, PYTHONPATH=str(src))
-    proc = subprocess.Popen(
-        [*cmd, *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=src,
-    )
-    found: dict[str, str] = {}
-
-    def pump() -> None:
-        for line in proc.stderr:
-            m = re.search(r"on (http://[\d.]+:\d+)", line)
-            if m:
-                found["url"] = m.group(1)
-            if "Traceback" in line or line.startswith(("ERROR", "CRITICAL")):
-                sys.stderr.write(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if "url" in found:
-            try:
-                if httpx.get(f"{found['url']}/health", timeout=2).status_code == 200:
-                    return proc, found["url"]
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not start")
 
 
 def scrape_loop(url: str, rate: float, stop, out) -> None:
@@ -300,7 +264,7 @@ def main() -> int:
     runs = []
     try:
         for t in trees:
-            servers.append(start_server(t, server_args))
+            servers.append(start_server(server_args, t))
         seed = 0
         for r in range(args.rounds):
             k = r % len(modes)

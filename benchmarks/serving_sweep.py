@@ -17,49 +17,18 @@ import argparse
 import asyncio
 import json
 import math
-import re
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import bench_model_path  # noqa: E402
+from server_process import start_server  # noqa: E402
 
 from moeserve.bench.datasets import LocalCodec, build_requests  # noqa: E402
 from moeserve.bench.plot import save_plot  # noqa: E402
 from moeserve.bench.serving import ServingBenchConfig, run_benchmark  # noqa: E402
 from moeserve.bench.table import format_table  # noqa: E402
-
-
-def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", "0", "--log-level", "info"]
-    proc = subprocess.Popen([*cmd, *args], stderr=subprocess.PIPE, text=True)
-    found: dict[str, str] = {}
-
-    def pump() -> None:
-        for line in proc.stderr:
-            m = re.search(r"on (http://[\d.]+:\d+)", line)
-            if m:
-                found["url"] = m.group(1)
-            if "Traceback" in line or line.startswith(("ERROR", "CRITICAL")):
-                sys.stderr.write(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if "url" in found:
-            try:
-                if httpx.get(f"{found['url']}/health", timeout=2).status_code == 200:
-                    return proc, found["url"]
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not start")
 
 
 def main() -> int:
