@@ -35,6 +35,7 @@ from moeserve.config import EngineConfig
 from moeserve.serving.api_server import build_app
 from moeserve.serving.client import EngineClient, EngineDeadError
 from moeserve.serving.guard import DEFAULT_MAX_BODY_BYTES
+from moeserve.serving.messages import Ready
 from moeserve.serving.metrics import ServerMetrics
 from moeserve.serving.prompts import PromptWorkers
 from moeserve.serving.sampling import ModelDefaults
@@ -202,7 +203,7 @@ def _server_state(
     options: ServeOptions,
     tokenizer: Tokenizer,
     client: EngineClient,
-    ready,
+    ready: Ready,
 ) -> ServerState:
     names = list(options.served_model_names) or [default_model_name(config.model)]
     return ServerState(
