@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.e2e.server import API_KEY, RunningServer, start_server
+from tests.e2e.test_errors import _error as openai_error
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 HI = [{"role": "user", "content": "hi"}]
@@ -34,9 +35,9 @@ HOSTILE_TEMPLATES = {
 
 
 def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["message"] and err["type"]
+    """test_errors' OpenAI-shaped error, with nothing of a traceback in it."""
+    err = openai_error(r, status)
+    assert err["type"]
     assert "Traceback" not in r.text and 'File "' not in r.text
     return err
 
