@@ -236,6 +236,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from moeserve.config import EngineConfig
+    from moeserve.launch.host import HOST, RANK, run_external_rank, run_host, serve_role
     from moeserve.serving.launcher import ServeOptions, serve
 
     logging.getLogger("moeserve").setLevel(args.log_level.upper())
@@ -244,7 +245,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from moeserve.demo import demo_model_path
 
         kwargs["model"] = str(demo_model_path())
-    config = EngineConfig(**kwargs, progress=True)
+    # a rank > 0 that gets SIGTERM waits for node 0's drain (the timeout) and the group's stop
+    config = EngineConfig(**kwargs, progress=True, shutdown_grace_s=args.shutdown_timeout + 15)
+    role = serve_role(config, os.environ)
+    if role == HOST:  # --node-rank >= 1: this host's ranks, no HTTP
+        return run_host(config)
+    if role == RANK:  # a rank > 0 that torchrun or srun started
+        return run_external_rank(config, os.environ)
     body_limit = {}
     if args.max_request_body_bytes is not None:
         body_limit["max_request_body_bytes"] = args.max_request_body_bytes

@@ -107,6 +107,8 @@ class EngineConfig:
     two_batch_overlap: bool = False
     numa_bind: str = "auto"  # auto | none: one rank per NUMA node, threads pinned
     dist_timeout_s: float = 120.0  # a peer that never arrives or stops answering
+    # a rank > 0 that gets SIGTERM waits this long for rank 0's stop (node 0 drains first)
+    shutdown_grace_s: float = 45.0
     # joining ranks started elsewhere (torchrun, Slurm, other hosts); None: spawn them here
     nnodes: int = 1
     node_rank: int = 0
@@ -146,6 +148,8 @@ class EngineConfig:
             raise ValueError(f"numa_bind must be auto or none, got {self.numa_bind!r}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        if self.shutdown_grace_s <= 0:
+            raise ValueError(f"shutdown_grace_s must be > 0, got {self.shutdown_grace_s}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(
                 f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -299,6 +300,17 @@ class LLMEngine:
         if "error" in answer:
             raise ValueError(answer["error"])
         return answer["result"] or {}
+
+    def watch(
+        self,
+        on_failure: Callable[[str], None],
+        on_health: Callable[[list[str]], None],
+        on_stop: Callable[[str], None],
+    ) -> None:
+        """Nothing fails here outside the caller's own calls: the handlers are never called."""
+
+    def announce_api(self, url: str) -> None:
+        """No other rank to tell."""
 
     def shutdown(self) -> None:
         """A one-process engine writes its expert statistics (``expert_stats_out``); it holds

@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from moeserve.config import EngineConfig
     from moeserve.core import PromptType, RequestOutput, SamplingParams
     from moeserve.models.hf_config import ModelConfig
@@ -86,6 +88,23 @@ class Engine(Protocol):
         """An EPLB command (``ExpertBalancer.command``): ``rebalance``, ``dump`` (to ``path``
         or ``expert_stats_out``) or ``status``. Returns its result ({} without MoE layers);
         raises ValueError with the balancer's error."""
+        ...
+
+    def watch(
+        self,
+        on_failure: Callable[[str], None],
+        on_health: Callable[[list[str]], None],
+        on_stop: Callable[[str], None],
+    ) -> None:
+        """Hear of what happens outside the caller's calls: ``on_failure(reason)`` once the
+        engine failed (a rank of its group died), ``on_health(missing)`` when the ranks whose
+        heartbeat is late change, ``on_stop(reason)`` when a host of the group was asked to
+        stop. Each may run on another thread; an engine in one process never calls them."""
+        ...
+
+    def announce_api(self, url: str) -> None:
+        """Tell every rank where the HTTP API is served (the other hosts log it); nothing to
+        do for an engine in one process."""
         ...
 
     def shutdown(self) -> None:

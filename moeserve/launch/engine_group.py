@@ -15,14 +15,24 @@ replica owns its requests and KV cache. ``{cmd: stats}`` gathers every rank's
 :meth:`LLMEngine.stats`; ``{cmd: ping}`` only wakes the workers (their wait is a collective
 with a timeout, so rank 0 pings a quiet group every few seconds from a background thread);
 ``{cmd: stop}`` ends the workers' loops.
+
+Failure: a collective that fails (a peer's connection dropped, or this rank failed) ends the
+group and raises; so does :meth:`EngineGroup.fail`, which the watchers call from their
+threads: the :class:`~moeserve.launch.processes.WorkerProcesses` that see a spawned rank exit,
+and the :class:`~moeserve.launch.liveness.RankMonitor` that sees a rank's heartbeat stop (on
+any host) or reads a host's failure report. Either way the caller's ``on_failure`` hears why
+at once, even while its own thread is stuck in a collective with the dead peer.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -34,10 +44,13 @@ from moeserve.engine import codec
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.scheduler import QueueFullError
 from moeserve.eplb.balancer import run_command
+from moeserve.launch.liveness import RankMonitor, announce_api
+from moeserve.launch.spec import LaunchSpec
 
 logger = logging.getLogger(__name__)
 
 STEP, STOP, INFO, STATS, PING = "step", "stop", "info", "stats", "ping"
+_GRACE_S = 10.0  # after a failure, how long the caller may take to close the group itself
 EPLB = "eplb"  # {cmd: eplb, action: rebalance | dump | status, path}: every rank, at once
 
 
@@ -164,16 +177,34 @@ class EngineGroup:
     config: EngineConfig
 
     def __init__(
-        self, engine: LLMEngine, groups: ParallelGroups, workers=None, on_close=None
+        self,
+        engine: LLMEngine,
+        groups: ParallelGroups,
+        spec: LaunchSpec,
+        workers=None,
+        on_close=None,
     ) -> None:
-        """``workers``: the ranks this process spawned (``launch/processes.WorkerProcesses``),
-        if any; ``on_close`` runs once the group is shut down or has failed."""
+        """``spec``: rank 0's place (the store its RankMonitor reads); ``workers``: the ranks
+        this process spawned (``launch/processes.WorkerProcesses``), if any; ``on_close`` runs
+        once the group is shut down or has failed."""
         if groups.rank != 0:
             raise ValueError("EngineGroup runs on world rank 0; other ranks run serve_steps")
         self.engine, self.groups = engine, groups
         self.config = engine.config
         self.workers = workers
         self._on_close = on_close
+        self._spec = spec
+        self.failure: str | None = None  # why the group ended, when it failed
+        self._on_failure: Callable[[str], None] = lambda reason: None
+        self._on_health: Callable[[list[str]], None] = lambda missing: None
+        self._on_stop: Callable[[str], None] = lambda reason: None
+        self._monitor = RankMonitor(
+            spec,
+            on_health=lambda missing: self._on_health(missing),
+            on_failure=self.fail,
+            on_stop=lambda reason: self._on_stop(reason),
+            dead_after_s=min(self.config.dist_timeout_s, 10.0),
+        ).start()
         atexit.register(self.shutdown)
         self._adds: list[dict] = []
         self._aborts: list[str] = []
@@ -338,11 +369,60 @@ class EngineGroup:
             try:
                 return fn()
             except Exception as e:
-                cause = self.workers.failure(wait_s=3.0) if self.workers is not None else None
+                reason = f"engine group stopped: {self._culprit() or e}"
+                self.failure = self.failure or reason
                 self._close(kill=True)
-                raise RuntimeError(f"engine group stopped: {cause or e}") from e
+                self._on_failure(reason)
+                raise RuntimeError(reason) from e
             finally:
                 self._last_command = time.monotonic()
+
+    def _culprit(self) -> str | None:
+        """Who made a collective fail: a spawned rank seen exiting, a host's report, or the
+        ranks whose heartbeat stopped (each takes a moment to show after the connection
+        drops); None when every rank looks alive (this rank failed)."""
+        if self.failure is not None:
+            return self.failure
+        if self.workers is not None:
+            found = self.workers.failure(wait_s=1.0)
+            if found is not None:
+                return found
+        return self._monitor.culprit(wait_s=4.0)
+
+    def watch(
+        self,
+        on_failure: Callable[[str], None],
+        on_health: Callable[[list[str]], None],
+        on_stop: Callable[[str], None],
+    ) -> None:
+        """``on_failure(reason)``: the group failed (called once, from any thread, at once);
+        ``on_health(missing)``: the ranks whose heartbeat is late changed (a line each);
+        ``on_stop(reason)``: another host was asked to stop (SIGTERM)."""
+        self._on_failure, self._on_health, self._on_stop = on_failure, on_health, on_stop
+
+    def announce_api(self, url: str) -> None:
+        """Record the API's URL in the group's store; the other hosts log it."""
+        announce_api(self._spec, url)
+
+    def fail(self, reason: str) -> None:
+        """End the group from a watcher's thread: a rank died (``reason`` names it). The
+        caller hears it (``on_failure``), the spawned ranks are killed, and this process
+        exits when its own thread does not close the group within ``_GRACE_S`` (it is stuck
+        in a collective with the dead peer)."""
+        if self.closed or self.failure is not None:
+            return
+        self.failure = reason
+        logger.error("engine group: %s; stopping every rank", reason)
+        self._on_failure(reason)
+        if self.workers is not None:
+            self.workers.kill_all()
+        deadline = time.monotonic() + _GRACE_S
+        while time.monotonic() < deadline and not self.closed:
+            time.sleep(0.2)
+        if not self.closed:
+            sys.stderr.write(f"moeserve: engine group ended: {reason}\n")
+            sys.stderr.flush()
+            os._exit(1)
 
     def _keep_awake(self, interval_s: float) -> None:
         while not self._stopping.wait(interval_s / 4):
@@ -354,7 +434,7 @@ class EngineGroup:
                 if not self.closed:
                     self.keepalive()
             except RuntimeError:
-                return  # the group failed: the caller's next command reports it
+                return  # the group failed: _collective told the caller (on_failure)
             finally:
                 self._lock.release()
 
@@ -368,6 +448,9 @@ class EngineGroup:
         """Tell every worker to stop and wait for the spawned ones; idempotent."""
         with self._lock:
             if self.closed:
+                return
+            if self.failure is not None:  # a rank is dead: nobody to tell
+                self._close(kill=True)
                 return
             if self.config.expert_stats_out:
                 try:
@@ -387,6 +470,7 @@ class EngineGroup:
         self._stopping.set()  # the keep-alive thread never waits for the lock, so this joins
         if self._keeper is not threading.current_thread():
             self._keeper.join()
+        self._monitor.stop()
         if self.workers is not None and kill:
             self.workers.kill_all()
         elif self.workers is not None:

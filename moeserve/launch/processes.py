@@ -1,8 +1,8 @@
 """The ranks this process spawned: one fresh interpreter each, watched until they exit.
 
-A spawned rank that dies is named (rank, exit code, the error it wrote to its error file) and
-the group is ended: the other ranks are killed, and the driver exits when it does not close the
-group within ``_GRACE_S`` by itself (it is stuck in a collective with the dead peer).
+A spawned rank that dies is named (rank, exit code, the error it wrote to its error file). On
+world rank 0's host the group is then ended (``EngineGroup.fail``); on another host the
+agent (``launch/host.py``) reports it to the group and stops.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from moeserve.config import EngineConfig
+from moeserve.launch.liveness import RankIdentity
 from moeserve.launch.numa import RankBinding, describe
 from moeserve.launch.spec import LaunchSpec
 
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
     from moeserve.launch.engine_group import EngineGroup
 
 logger = logging.getLogger(__name__)
-
-_GRACE_S = 10.0  # after a rank dies, how long the driver may take to notice by itself
 
 
 def worker_command(spec: LaunchSpec, config: EngineConfig, binding: RankBinding) -> list[str]:
@@ -50,6 +49,7 @@ class WorkerProcesses:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._failure: str | None = None
+        self._specs = {spec.rank: spec for spec in specs}
         for spec in specs:
             env = dict(os.environ, MOESERVE_ERROR_FILE=self._error_file(spec.rank))
             self.procs[spec.rank] = subprocess.Popen(
@@ -84,29 +84,27 @@ class WorkerProcesses:
                     how = (
                         f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                     )
-                    self._failure = f"rank {rank} {how}{detail}"
+                    who = RankIdentity.of_this_process(self._specs[rank])
+                    who = dataclasses.replace(who, pid=p.pid).describe()
+                    self._failure = f"{who} {how}{detail}"
                     break
         return self._failure
 
     def watch(self, group: EngineGroup) -> None:
+        """Watch the ranks from a thread; the first that fails ends ``group`` (``fail``)."""
+
         def loop() -> None:
             while not self._stopping.wait(0.5):
                 failure = self.failure()
-                if failure is None or self._stopping.is_set():
-                    continue
-                logger.error("engine group: %s; stopping every rank", failure)
-                self.kill_all()
-                deadline = time.monotonic() + _GRACE_S
-                while time.monotonic() < deadline and not group.closed:
-                    time.sleep(0.2)
-                if not group.closed:
-                    # the driver is stuck in a collective with a dead peer: end it too
-                    sys.stderr.write(f"moeserve: engine group ended: {failure}\n")
-                    os._exit(1)
-                return
+                if failure is not None and not self._stopping.is_set():
+                    group.fail(failure)
+                    return
 
         self._watcher = threading.Thread(target=loop, name="moeserve-rank-watch", daemon=True)
         self._watcher.start()
+
+    def all_exited(self) -> bool:
+        return all(p.poll() is not None for p in self.procs.values())
 
     def _stop_watching(self) -> None:
         """End the watcher and wait for it: a daemon thread still holding the engine when the

@@ -6,19 +6,27 @@
       otherwise                  -> this process is its host's first rank and spawns the
                                     others (one host, or --nnodes/--node-rank/--master-*)
     rank 0 gets an EngineGroup (the request API); any other rank runs the worker loop until
-    rank 0 stops it, then exits.
+    rank 0 stops it (:func:`run_rank`), then exits.
 
-Failure: a spawned rank that dies is named (rank, exit code, its error) and the group is
-ended: the other ranks are killed and the driver raises, or exits if it is stuck in a
-collective; a spawned rank whose parent disappears exits on its own. A peer that never
-arrives fails init after ``dist_timeout_s``.
+Under a launcher the topology (nodes, this node's index, the rendezvous) comes from its
+variables (:func:`with_topology`), so node-affine replicas and hierarchical EPLB see the real
+node count. Before joining, :func:`~moeserve.launch.netif.check_rendezvous` fails fast on a
+master address or port this host cannot use.
+
+Failure: a rank that dies is named (rank, host, exit code or silence, its error) and the group
+ends (``engine_group.EngineGroup.fail``); every rank > 0 beats (``liveness.Heartbeat``) and
+exits once rank 0 is gone or the group failed; a spawned rank whose parent disappears exits
+on its own. A peer that never arrives fails init after ``dist_timeout_s``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import signal
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -29,7 +37,8 @@ from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.interface import Engine
 from moeserve.launch.engine_group import EngineGroup, serve_steps
-from moeserve.launch.netif import interface_towards
+from moeserve.launch.liveness import Heartbeat, request_stop
+from moeserve.launch.netif import check_rendezvous, interface_towards
 from moeserve.launch.numa import (
     RankBinding,
     apply_binding,
@@ -63,6 +72,8 @@ def start_engine(config: EngineConfig) -> Engine:
     if external is not None:
         check_world_size(external, dims.world_size, layout)
         spec = external
+        config = with_topology(config, spec)
+        check_rendezvous(spec)
     else:
         specs = plan_local_ranks(
             dims.world_size,
@@ -72,8 +83,14 @@ def start_engine(config: EngineConfig) -> Engine:
             config.master_port,
         )
         spec = specs[0]
-        workers = WorkerProcesses(specs[1:], config, _bindings(config, len(specs)))
-    binding = _bindings(config, spec.local_world_size)[spec.local_rank]
+        check_rendezvous(spec)  # before any rank starts
+        workers = WorkerProcesses(specs[1:], config, bindings(config, len(specs)))
+    if spec.rank != 0:
+        code = run_rank(spec, config, bindings(config, spec.local_world_size)[spec.local_rank])
+        if workers is not None:
+            workers.join()
+        sys.exit(code)
+    binding = bindings(config, spec.local_world_size)[spec.local_rank]
     restore = _placement_restorer()  # rank 0 is the caller's process: undo the pinning later
     try:
         engine, groups = _join(spec, config, binding)
@@ -86,16 +103,68 @@ def start_engine(config: EngineConfig) -> Engine:
             workers.kill_all()
             raise RuntimeError(f"engine group failed to start: {cause or e}") from e
         raise
-    if spec.rank == 0:
-        group = EngineGroup(engine, groups, workers, on_close=restore)
-        if workers is not None:
-            workers.watch(group)
-        logger.info("engine group ready: %s", dims.describe())
-        return group
-    _run_worker(engine, groups)
+    group = EngineGroup(engine, groups, spec, workers, on_close=restore)
     if workers is not None:
-        workers.join()
-    sys.exit(0)
+        workers.watch(group)
+    logger.info("engine group ready: %s over %d node(s)", dims.describe(), spec.nnodes)
+    return group
+
+
+def with_topology(config: EngineConfig, spec: LaunchSpec) -> EngineConfig:
+    """``config`` with the node count, node index and rendezvous a launcher set (torchrun,
+    srun); a ``--nnodes``/``--node-rank`` given as well must agree with them."""
+    for flag, given, found in (
+        ("--nnodes", config.nnodes, spec.nnodes),
+        ("--node-rank", config.node_rank, spec.node_rank),
+    ):
+        if given not in (found, 0 if flag == "--node-rank" else 1):
+            raise ValueError(
+                f"{flag} {given} disagrees with the {spec.source} environment ({found}); "
+                f"drop the flag: {spec.source} decides where ranks run"
+            )
+    return dataclasses.replace(
+        config,
+        nnodes=spec.nnodes,
+        node_rank=spec.node_rank,
+        master_addr=spec.master_addr,
+        master_port=spec.master_port,
+    )
+
+
+def run_rank(spec: LaunchSpec, config: EngineConfig, binding: RankBinding) -> int:
+    """A rank > 0: join, beat, follow rank 0's steps until it says stop; returns 0 then.
+    SIGTERM does not cut a step: the rank asks node 0 to stop the group (it drains first, as
+    on its own SIGTERM) and waits ``shutdown_grace_s`` for that, then exits 1."""
+    if spec.rank == 0:
+        raise ValueError("rank 0 runs the EngineGroup, not the worker loop")
+    grace = config.shutdown_grace_s
+
+    def on_term(signum, frame) -> None:
+        request_stop(spec, f"rank {spec.rank} (node {spec.node_rank}) got SIGTERM")
+        _exit_after(spec.rank, grace)
+
+    signal.signal(signal.SIGTERM, on_term)
+    engine, groups = _join(spec, config, binding)
+    heartbeat = Heartbeat(spec).start()
+    try:
+        serve_steps(engine, groups)
+    finally:
+        heartbeat.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _exit_after(rank: int, grace_s: float) -> None:
+    """From a SIGTERM handler: end this process in ``grace_s`` unless it ended by then."""
+
+    def later() -> None:
+        sys.stderr.write(f"moeserve: rank {rank}: no stop from rank 0 {grace_s:g}s after SIGTERM\n")
+        os._exit(1)
+
+    timer = threading.Timer(grace_s, later)
+    timer.daemon = True
+    timer.start()
 
 
 def _placement_restorer():
@@ -109,7 +178,8 @@ def _placement_restorer():
     return restore
 
 
-def _bindings(config: EngineConfig, local_world: int) -> list[RankBinding]:
+def bindings(config: EngineConfig, local_world: int) -> list[RankBinding]:
+    """Each local rank's CPUs and threads (pinned per NUMA node unless oversubscribed)."""
     topology = read_topology()
     cpus = sum(len(n.cpus) for n in topology)
     mode = config.numa_bind if local_world <= cpus else "none"  # oversubscribed: no pinning
@@ -149,11 +219,3 @@ def _join(
         ) from e
     groups = ParallelGroups.build(config.parallel_dims)
     return LLMEngine(config, groups), groups
-
-
-def _run_worker(engine: LLMEngine, groups: ParallelGroups) -> None:
-    try:
-        serve_steps(engine, groups)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -28,16 +28,14 @@ def main(argv: list[str]) -> int:
         from moeserve.config import EngineConfig
         from moeserve.launch.numa import RankBinding
         from moeserve.launch.spec import LaunchSpec
-        from moeserve.launch.start import _join, _run_worker
+        from moeserve.launch.start import run_rank
 
         payload = json.loads(argv[0])
         spec = LaunchSpec(**payload["spec"])
         config = EngineConfig(**payload["config"])
         b = payload["binding"]
         binding = RankBinding(b["local_rank"], b["numa_node"], tuple(b["cpus"]), b["num_threads"])
-        engine, groups = _join(spec, config, binding)
-        _run_worker(engine, groups)
-        return 0
+        return run_rank(spec, config, binding)
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then exit non-zero
         path = os.environ.get("MOESERVE_ERROR_FILE")
         if path:

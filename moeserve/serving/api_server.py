@@ -88,6 +88,7 @@ def public_router(state: ServerState) -> APIRouter:
     @router.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         state.check_accepting()
+        state.check_ranks()
         return Response(status_code=200)
 
     @router.get("/version")

@@ -93,6 +93,8 @@ class EngineClient:
         self.dead: str | None = None
         self.stats: m.StatsSnapshot | None = None  # the engine's latest, as it published it
         self.stats_received_at = 0.0  # time.monotonic() when it arrived
+        self.missing_ranks: list[str] = []  # the group's ranks whose heartbeat is late
+        self.stop_requested: str | None = None  # why another host asked the group to stop
         self._closing = False
         self._streams: dict[str, RequestStream] = {}
         self._adds: dict[str, asyncio.Future[m.AddResult]] = {}
@@ -103,14 +105,20 @@ class EngineClient:
     # -- start and stop ---------------------------------------------------------------------
 
     @classmethod
-    def spawn(cls, config: dict, ipc_dir: Path) -> EngineClient:
+    def spawn(
+        cls, config: dict, ipc_dir: Path, api_url: str | None = None, term_grace_s: float = 0.0
+    ) -> EngineClient:
         """Start the engine process for ``config`` (EngineConfig fields); call
-        :meth:`wait_ready` next, inside the event loop."""
+        :meth:`wait_ready` next, inside the event loop. ``api_url``: where this server
+        listens (an engine group's other hosts log it); ``term_grace_s``: how long the engine
+        leaves a SIGTERM of its own to this process's Shutdown (0: it stops at once)."""
         spec = {
             "config": config,
             "input": f"ipc://{ipc_dir}/input",
             "output": f"ipc://{ipc_dir}/output",
             "parent_pid": os.getpid(),
+            "api_url": api_url,
+            "term_grace_s": term_grace_s,
         }
         # its own session: a terminal's Ctrl-C reaches only this process, which then stops
         # the engine in order
@@ -132,6 +140,12 @@ class EngineClient:
                 if isinstance(msg, m.EngineDead):
                     self._reap()
                     raise EngineDeadError(msg.message)
+                if isinstance(msg, m.GroupHealth):  # the group formed; a rank is late already
+                    self.missing_ranks = msg.missing
+                    continue
+                if isinstance(msg, m.StopRequested):
+                    self.stop_requested = msg.reason
+                    continue
                 raise m.MessageError(f"expected Ready from the engine, got {type(msg).__name__}")
             if self.proc.poll() is not None:
                 raise EngineDeadError(f"the engine process exited with code {self.proc.returncode}")
@@ -148,8 +162,10 @@ class EngineClient:
         for task in self._tasks:
             task.cancel()
         if self.proc.poll() is None:
+            # never wait to send: an engine that is failing has closed its end, and a PUSH
+            # without a peer would hold the message (and this server) forever
             with contextlib.suppress(zmq.ZMQError):
-                await self.push.send(m.encode(m.Shutdown()))
+                await self.push.send(m.encode(m.Shutdown()), flags=zmq.NOBLOCK)
             deadline = asyncio.get_running_loop().time() + timeout
             while self.proc.poll() is None and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
@@ -252,6 +268,14 @@ class EngineClient:
                 future = self._calls.get(msg.call_id)
                 if future is not None and not future.done():
                     future.set_result(msg)
+            elif isinstance(msg, m.GroupHealth):
+                if msg.missing:
+                    logger.warning("engine group: %s", "; ".join(msg.missing))
+                elif self.missing_ranks:
+                    logger.info("engine group: every rank is alive again")
+                self.missing_ranks = msg.missing
+            elif isinstance(msg, m.StopRequested):
+                self.stop_requested = msg.reason
             elif isinstance(msg, m.EngineDead):
                 self._die(msg.message)
                 return

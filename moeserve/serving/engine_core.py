@@ -18,7 +18,15 @@ when it goes idle with anything changed, so ``/metrics`` never sends a message h
 the stats cost does not depend on how often anyone scrapes. With nothing to run it sleeps in
 ``poll`` until a message arrives (an engine group keeps its own workers awake meanwhile). It
 stops on Shutdown, on SIGTERM, or when its parent dies, always shutting the engine group down
-first; an engine that fails sends EngineDead with the reason and exits 1.
+first; an engine that fails sends EngineDead with the reason and exits 1. SIGTERM while
+the API server lives (a whole process tree signalled at once, as by scancel) leaves the stop
+to it (it drains first, then sends Shutdown) for ``term_grace_s`` at most.
+
+An engine group reports from its watcher threads (``Engine.watch``): a rank that died sends
+EngineDead at once, on a socket of that thread's own (ZeroMQ sockets are not thread-safe),
+even while this loop waits in a collective with the dead rank; the loop then ends. A rank
+whose heartbeat is late is sent as GroupHealth (``/health`` answers 503 naming it), a host
+that got SIGTERM as StopRequested (the server drains and stops).
 """
 
 from __future__ import annotations
@@ -104,21 +112,49 @@ class EngineCore:
         out: zmq.Socket,
         parent_pid: int | None,
         snapshots: SnapshotSchedule | None = None,
+        report_to: str | None = None,
     ) -> None:
+        """``report_to``: the address ``out`` is connected to, for the reports of other
+        threads (:meth:`report_from_thread`)."""
         self.engine = engine
         self.inp, self.out = inp, out
         self.parent_pid = parent_pid
         self.snapshots = snapshots or SnapshotSchedule()
         self.calls_received = 0  # Call messages: /debug/engine and the admin calls, not /metrics
         self.stopping = False
+        self.failure: str | None = None  # set by a watcher thread of an engine group
+        self.stop_by: float | None = None  # SIGTERM: stop at this time if not told before
+        self._report_to = report_to
 
     def send(self, msg: m.Message) -> None:
         self.out.send(m.encode(msg))
+
+    def report_from_thread(self, msg: m.Message) -> None:
+        """Send ``msg`` from a thread other than the loop's, on a socket of its own."""
+        if self._report_to is None:
+            raise RuntimeError("this EngineCore was built without report_to")
+        sock = self.out.context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        try:
+            sock.connect(self._report_to)
+            sock.send(m.encode(msg))
+        finally:
+            sock.close()
+
+    def engine_failed(self, reason: str) -> None:
+        """``Engine.watch``'s failure handler (any thread): tell the API server now."""
+        self.failure = reason
+        self.report_from_thread(m.EngineDead(reason))
 
     def run(self) -> None:
         while not self.stopping:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.warning("the API server process is gone: shutting the engine down")
+                return
+            if self.failure is not None:
+                raise RuntimeError(self.failure)
+            if self.stop_by is not None and time.monotonic() >= self.stop_by:
+                logger.warning("no Shutdown from the API server after SIGTERM: stopping")
                 return
             busy = self.engine.has_unfinished_requests()
             if not busy and self.snapshots.due_when_idle():
@@ -211,6 +247,7 @@ def ready_message(engine: Engine) -> m.Ready:
         data_parallel_size=cfg.data_parallel_size,
         max_num_seqs=cfg.max_num_seqs,
         max_waiting_requests=cfg.max_waiting_requests,
+        nnodes=cfg.nnodes,
     )
 
 
@@ -227,22 +264,38 @@ def main(argv: list[str]) -> int:
     inp.connect(spec["input"])
     out.connect(spec["output"])
     engine: Engine | None = None
+    core: EngineCore | None = None
     code = 0
     try:
         from moeserve.launch.start import start_engine
 
         engine = start_engine(EngineConfig(**spec["config"]))
-        core = EngineCore(engine, inp, out, spec.get("parent_pid"))
+        core = EngineCore(engine, inp, out, spec.get("parent_pid"), report_to=spec["output"])
+        engine.watch(
+            on_failure=core.engine_failed,
+            on_health=lambda missing: core.report_from_thread(m.GroupHealth(missing)),
+            on_stop=lambda reason: core.report_from_thread(m.StopRequested(reason)),
+        )
+        grace = float(spec.get("term_grace_s", 0))
 
         def on_term(signum, frame) -> None:
-            core.stopping = True
+            parent = spec.get("parent_pid")
+            if grace > 0 and parent is not None and os.getppid() == parent:
+                core.stop_by = core.stop_by or time.monotonic() + grace
+            else:
+                core.stopping = True
 
         signal.signal(signal.SIGTERM, on_term)
+        if spec.get("api_url"):
+            engine.announce_api(spec["api_url"])
         core.send(ready_message(engine))
         core.run()
     except Exception as e:  # report any failure to the API server, then exit non-zero
-        logger.exception("engine failed")
-        out.send(m.encode(m.EngineDead(f"{type(e).__name__}: {e}")))
+        if core is not None and core.failure is not None:
+            logger.error("engine failed: %s", core.failure)
+        else:
+            logger.exception("engine failed")
+            out.send(m.encode(m.EngineDead(f"{type(e).__name__}: {e}")))
         code = 1
     finally:
         if engine is not None:  # None: the engine failed to start

@@ -45,6 +45,7 @@ from moeserve.tokenizer import Tokenizer
 logger = logging.getLogger("moeserve.serve")
 
 _FAILED_LINGER_S = 2.0  # after an engine failure, how long new requests still get a 503
+_ENGINE_STOP_S = 15.0  # beyond the shutdown timeout: the engine's own stop after a SIGTERM
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,12 @@ async def _serve(
     sock: socket.socket,
     ipc_dir: Path,
 ) -> int:
-    client = EngineClient.spawn(dataclasses.asdict(config), ipc_dir)
+    client = EngineClient.spawn(
+        dataclasses.asdict(config),
+        ipc_dir,
+        api_url=_public_url(sock, config),
+        term_grace_s=options.shutdown_timeout_s + _ENGINE_STOP_S,
+    )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -123,8 +129,9 @@ async def _serve(
         logger.error("the engine failed to start: %s", e)
         await client.shutdown(timeout=5)
         return 1
-    if ready is None:  # a signal while loading
-        await client.shutdown()
+    if ready is None:  # a signal while loading: the engine reads no message until it is up
+        client.proc.terminate()
+        await client.shutdown(timeout=10)
         return 0
 
     state = _server_state(config, options, tokenizer, client, ready)
@@ -143,11 +150,12 @@ async def _serve(
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     logger.info(
-        "serving %s (%s, max_model_len %d, %d rank(s)) on http://%s:%d",
+        "serving %s (%s, max_model_len %d, %d rank(s) on %d node(s)) on http://%s:%d",
         names[0],
         ready.architecture,
         ready.max_model_len,
         ready.world_size,
+        ready.nnodes,
         host,
         port,
     )
@@ -189,11 +197,13 @@ async def _wait_ready(client: EngineClient, stop: asyncio.Event):
 
 
 async def _until_stop_or_engine_death(client: EngineClient, stop: asyncio.Event) -> None:
-    while not stop.is_set() and client.dead is None:
+    while not stop.is_set() and client.dead is None and client.stop_requested is None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.2)
     if client.dead is not None:
         logger.error("stopping: the engine failed (%s)", client.dead)
+    elif not stop.is_set():
+        logger.info("stopping: %s; waiting for running requests", client.stop_requested)
     else:
         logger.info("stopping: waiting up to the shutdown timeout for running requests")
 
@@ -221,6 +231,16 @@ def _server_state(
         max_waiting_requests=ready.max_waiting_requests,
         data_parallel_size=ready.data_parallel_size,
     )
+
+
+def _public_url(sock: socket.socket, config: EngineConfig) -> str:
+    """The URL the other hosts of an engine group log: the bound address, or for a wildcard
+    bind the address they reach this host at (``--master-addr``)."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = config.master_addr or socket.gethostname()
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}"
 
 
 def default_model_name(model_dir: str) -> str:

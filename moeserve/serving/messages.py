@@ -10,6 +10,8 @@ API server -> engine                         engine -> API server
   FinishSample  a stop string ended a sample   StepOutputs  this step's RequestOutputs (deltas)
   Call          ask for stats / a self-check   CallResult   the answer to a Call
   Shutdown      stop the engine group          StatsSnapshot the engine's stats, unasked
+                                               GroupHealth  the ranks whose heartbeat is late
+                                               StopRequested another host was told to stop
                                                EngineDead   the engine failed; it will exit
 """
 
@@ -68,6 +70,7 @@ class Ready:
     data_parallel_size: int
     max_num_seqs: int
     max_waiting_requests: int | None = None  # per DP replica; None: unbounded
+    nnodes: int = 1  # the hosts the engine's ranks run on
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,22 @@ class StatsSnapshot:
 
 
 @dataclass(frozen=True)
+class GroupHealth:
+    """The ranks of an engine group whose heartbeat is late, a line each naming the rank and
+    its host (empty: every rank is alive again). Sent when the list changes."""
+
+    missing: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    """A host of the engine group other than this one got SIGTERM: the server drains and
+    stops as on its own SIGTERM."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class EngineDead:
     message: str
 
@@ -122,6 +141,8 @@ _TYPES = {
         StepOutputs,
         CallResult,
         StatsSnapshot,
+        GroupHealth,
+        StopRequested,
         EngineDead,
     )
 }
@@ -136,6 +157,8 @@ Message = (
     | StepOutputs
     | CallResult
     | StatsSnapshot
+    | GroupHealth
+    | StopRequested
     | EngineDead
 )
 

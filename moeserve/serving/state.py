@@ -76,6 +76,13 @@ class ServerState:
         if self.draining:
             raise unavailable("the server is shutting down")
 
+    def check_ranks(self) -> None:
+        """For /health: 503 naming the ranks of the engine group whose heartbeat is late (the
+        group still serves; it ends if they stay silent)."""
+        missing = self.client.missing_ranks
+        if missing:
+            raise unavailable(f"{len(missing)} rank(s) missing: " + "; ".join(missing))
+
     def check_token_ids(self, ids: list[int], field_name: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 from moeserve.launch.spec import free_port
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
+from tests.netns import HOST_A, in_host, two_hosts
 
 GENERATE = ["-m", "moeserve.cli", "generate", "--prompt", "The expert said", "-q"]
 GENERATE += ["--max-tokens", "12", "--dtype", "float32", "--max-model-len", "64"]
@@ -71,44 +71,17 @@ def test_srun_environment(ckpt, expected):
     assert outs == [expected, ""]
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-
-
 @pytest.fixture
-def two_hosts():
-    """Namespaces a and b with 10.231.0.1 and 10.231.0.2 on the two ends of a veth pair."""
-    tag = uuid.uuid4().hex[:6]
-    hosts = [f"msa{tag}", f"msb{tag}"]
-    probe = _ip("netns", "add", hosts[0])
-    if probe.returncode != 0:
-        pytest.skip(f"cannot create network namespaces here: {probe.stderr.strip()}")
-    try:
-        steps = [
-            ("netns", "add", hosts[1]),
-            ("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}"),
-            ("link", "set", f"va{tag}", "netns", hosts[0]),
-            ("link", "set", f"vb{tag}", "netns", hosts[1]),
-            ("-n", hosts[0], "addr", "add", "10.231.0.1/24", "dev", f"va{tag}"),
-            ("-n", hosts[1], "addr", "add", "10.231.0.2/24", "dev", f"vb{tag}"),
-        ]
-        for ns, dev in zip(hosts, (f"va{tag}", f"vb{tag}")):
-            steps += [("-n", ns, "link", "set", dev, "up"), ("-n", ns, "link", "set", "lo", "up")]
-        for step in steps:
-            done = _ip(*step)
-            if done.returncode != 0:
-                pytest.skip(f"cannot set up the veth link: ip {' '.join(step)}: {done.stderr}")
-        yield hosts
-    finally:
-        for ns in hosts:
-            _ip("netns", "del", ns)  # deletes its end of the veth pair too
+def hosts():
+    with two_hosts() as names:
+        yield names
 
 
-def test_two_hosts_in_network_namespaces(ckpt, expected, two_hosts):
-    master = ["--master-addr", "10.231.0.1", "--master-port", "29517", "--nnodes", "2"]
+def test_two_hosts_in_network_namespaces(ckpt, expected, hosts):
+    master = ["--master-addr", HOST_A, "--master-port", "29517", "--nnodes", "2"]
     procs = []
-    for node, ns in enumerate(two_hosts):
-        cmd = ["ip", "netns", "exec", ns, *generate_cmd(ckpt, "--ep", "2", *master)]
+    for node, ns in enumerate(hosts):
+        cmd = in_host(ns, generate_cmd(ckpt, "--ep", "2", *master))
         cmd += ["--node-rank", str(node)]
         procs.append(
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -42,6 +42,8 @@ def test_the_protocol_lists_the_request_api():
         "step_with_stats",
         "stats",
         "eplb_command",
+        "watch",
+        "announce_api",
         "shutdown",
     }
 

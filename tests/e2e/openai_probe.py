@@ -1,0 +1,69 @@
+"""The official ``openai`` client against a server, as a program: a test runs it inside a
+network namespace (``ip netns exec``), where the test process itself cannot connect.
+
+    python -m tests.e2e.openai_probe URL greedy     one JSON object: greedy completion, chat
+                                                    and both streamed (their joined text)
+    python -m tests.e2e.openai_probe URL stream N   a streamed completion of N tokens: a JSON
+                                                    line per event, then {"error": ...} or
+                                                    {"done": true}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import openai
+
+PROMPT = "The expert said"
+MESSAGES = [{"role": "user", "content": "Name three experts."}]
+
+
+def greedy(client: openai.OpenAI, model: str) -> dict:
+    params = {"model": model, "max_tokens": 16, "temperature": 0}
+    completion = client.completions.create(prompt=PROMPT, **params)
+    chat = client.chat.completions.create(messages=MESSAGES, **params)
+    streamed = client.completions.create(prompt=PROMPT, stream=True, **params)
+    chat_streamed = client.chat.completions.create(messages=MESSAGES, stream=True, **params)
+    return {
+        "completion": completion.choices[0].text,
+        "chat": chat.choices[0].message.content,
+        "completion_stream": "".join(c.choices[0].text for c in streamed if c.choices),
+        "chat_stream": "".join(
+            c.choices[0].delta.content or "" for c in chat_streamed if c.choices
+        ),
+    }
+
+
+def stream(client: openai.OpenAI, model: str, max_tokens: int) -> None:
+    events = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+        for chunk in events:
+            text = chunk.choices[0].text if chunk.choices else ""
+            print(json.dumps({"text": text}), flush=True)
+    except openai.APIError as e:  # the server's error event in the stream
+        print(json.dumps({"error": str(e)}), flush=True)
+        return
+    print(json.dumps({"done": True}), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    url, mode = argv[0], argv[1]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    if mode == "greedy":
+        print(json.dumps(greedy(client, model)))
+    else:
+        stream(client, model, int(argv[2]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
