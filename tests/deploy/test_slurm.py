@@ -1,0 +1,127 @@
+"""moeserve on a real one-node Slurm cluster (see slurm_cluster.py): ranks started by srun, and
+deploy/slurm/moeserve.sbatch as a service, from sbatch to scancel.
+
+Skipped unless root (the set-up installs slurm-wlm and munge with apt-get when missing).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from moeserve.demo import write_demo_model
+from tests.deploy.slurm_cluster import (
+    KILL_WAIT_S,
+    ClusterError,
+    SlurmCluster,
+    free_port,
+    running_cluster,
+)
+
+SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "moeserve.sbatch"
+_BASE_URL = re.compile(r"OpenAI base URL: (\S+)")
+_READY_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with running_cluster() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_dir(cluster: SlurmCluster) -> Path:
+    # under the cluster's directory: the jobs' command lines name it, the teardown removes it
+    return write_demo_model(cluster.root / "model")
+
+
+def test_srun_starts_one_rank_per_task_and_only_rank_0_prints(cluster, model_dir):
+    name = "moeserve-srun-smoke"
+    out = cluster.run(
+        *("srun", "--ntasks=2", "--label", f"--job-name={name}"),
+        *(sys.executable, "-m", "moeserve.cli", "generate", "--ep", "2"),
+        *("--model", str(model_dir), "--prompt", "hi", "--max-tokens", "8", "-q"),
+        env={"MASTER_PORT": str(free_port())},
+        timeout=300,
+    )
+    assert out.returncode == 0, f"srun exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
+    lines = [line for line in out.stdout.split("\n") if line]
+    assert lines, f"no output from rank 0:\n{out.stderr}"
+    assert all(line.startswith("0: ") for line in lines), out.stdout  # --label: "RANK: text"
+    job = cluster.run("squeue", "-h", "--states=all", "-n", name, "-o", "%i").stdout.split()
+    assert len(job) == 1, f"expected one job named {name}, squeue says {job}"
+    cluster.wait_job_gone(job[0], timeout=30)
+    cluster.wait_processes_gone(job[0], timeout=15, marker=str(model_dir))
+
+
+def test_sbatch_serves_the_api_and_scancel_ends_every_process(cluster, model_dir):
+    env = {
+        "MOESERVE_PYTHON": sys.executable,
+        "MOESERVE_PORT": str(free_port()),
+        "MASTER_PORT": str(free_port()),
+        "MOESERVE_HEALTH_TIMEOUT": str(_READY_TIMEOUT_S),
+    }
+    sub = cluster.run(
+        *("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2"),
+        f"--output={cluster.root}/moeserve-%j.out",
+        *(str(SCRIPT), "--model", str(model_dir), "--ep", "2"),
+        env=env,
+    )
+    assert sub.returncode == 0, f"sbatch failed: {sub.stderr}\n{cluster.logs()}"
+    job = sub.stdout.strip().split(";")[0]
+    output = cluster.root / f"moeserve-{job}.out"
+    try:
+        base_url = _wait_for_base_url(cluster, job, output)
+        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello from Slurm"}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert reply.usage.completion_tokens > 0, reply
+        assert reply.choices[0].message.content, reply
+    except Exception as e:
+        raise AssertionError(f"{e}\n{_report(cluster, job, output)}") from e
+    finally:
+        cancelled = time.monotonic()
+        cluster.run("scancel", job)
+
+    cluster.wait_job_gone(job, timeout=KILL_WAIT_S + 30)
+    took = time.monotonic() - cancelled
+    cluster.wait_processes_gone(job, timeout=15, marker=str(model_dir))
+    text = output.read_text(errors="replace")
+    # the script got SIGTERM, passed it on and saw srun end: no rank needed KillWait's SIGKILL
+    assert "got SIGTERM" in text and "srun exited with code" in text, _report(cluster, job, output)
+    assert took < KILL_WAIT_S, (
+        f"the job took {took:.1f}s to end after scancel, KillWait is {KILL_WAIT_S}s: a rank did "
+        f"not end on SIGTERM\n{_report(cluster, job, output)}"
+    )
+
+
+def _wait_for_base_url(cluster: SlurmCluster, job: str, output: Path) -> str:
+    """The base URL the script prints once /health answers; fails if the job ends first."""
+    deadline = time.monotonic() + _READY_TIMEOUT_S + 30
+    while True:
+        text = output.read_text(errors="replace") if output.exists() else ""
+        if m := _BASE_URL.search(text):
+            return m.group(1)
+        if not cluster.job_queued(job):
+            raise ClusterError(f"job {job} ended before it printed its OpenAI base URL")
+        if time.monotonic() > deadline:
+            raise ClusterError(f"job {job} printed no OpenAI base URL in {_READY_TIMEOUT_S}s")
+        time.sleep(1)
+
+
+def _report(cluster: SlurmCluster, job: str, output: Path) -> str:
+    text = output.read_text(errors="replace") if output.exists() else "(no output file yet)"
+    state = cluster.run("scontrol", "show", "job", job).stdout.strip()
+    return (
+        f"--- {output.name} ---\n{text}\n--- scontrol show job {job} ---\n{state}\n{cluster.logs()}"
+    )
