@@ -99,6 +99,8 @@ def test_sbatch_serves_the_api_and_scancel_ends_every_process(cluster, model_dir
     text = output.read_text(errors="replace")
     # the script got SIGTERM, passed it on and saw srun end: no rank needed KillWait's SIGKILL
     assert "got SIGTERM" in text and "srun exited with code" in text, _report(cluster, job, output)
+    # ... and every rank stopped cleanly: the API drained, rank 1 waited for rank 0's stop
+    assert "srun exited with code 0" in text, _report(cluster, job, output)
     assert took < KILL_WAIT_S, (
         f"the job took {took:.1f}s to end after scancel, KillWait is {KILL_WAIT_S}s: a rank did "
         f"not end on SIGTERM\n{_report(cluster, job, output)}"
