@@ -218,7 +218,10 @@ def named_ports(c: dict) -> dict[str, int]:
 def serve_args(c: dict):
     """The container's arguments parsed by moeserve's CLI (the image's entrypoint is moeserve)."""
     assert "command" not in c, "a command would replace the image's entrypoint (tini, moeserve)"
-    args = build_parser().parse_args(c["args"])
+    try:
+        args = build_parser().parse_args(c["args"])
+    except SystemExit:  # argparse printed why
+        pytest.fail(f"moeserve's CLI rejects the container's args {c['args']}")
     assert args.command == "serve"
     defaults = build_parser().parse_args(["serve"])
     given = [f for f in TOPOLOGY_FLAGS if getattr(args, f) != getattr(defaults, f)]
@@ -238,7 +241,7 @@ def test_lws_variables_map_to_node_ranks_that_cover_the_world():
     size = lws["spec"]["leaderWorkerTemplate"]["size"]
     templates = dict(pod_templates())
     rendezvous = named_ports(container(templates["leader"]))["rendezvous"]
-    ranks = []
+    ranks, worlds = [], set()
     for index, (_, injected) in enumerate(lws_pods()):
         c = container(templates["leader" if index == 0 else "worker"])
         args = serve_args(c)
@@ -246,10 +249,12 @@ def test_lws_variables_map_to_node_ranks_that_cover_the_world():
         assert topology == (size, index, injected["LWS_LEADER_ADDRESS"], rendezvous)
         args.nnodes, args.node_rank, args.master_addr, args.master_port = topology
         config = EngineConfig(**engine_kwargs(args))
+        worlds.add(config.parallel_dims.world_size)
         specs = plan_local_ranks(config.parallel_dims.world_size, *topology)
         assert {s.node_rank for s in specs} == {index}
         ranks += [s.rank for s in specs]
-    assert sorted(ranks) == list(range(len(ranks)))
+    (world,) = worlds
+    assert sorted(ranks) == list(range(world))
 
 
 def test_leader_and_workers_run_the_same_engine():
