@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
+from moeserve.launch.lws import apply_lws
 from moeserve.ops.formats import QUANTIZATIONS
 
 
@@ -98,10 +100,29 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--two-batch-overlap", action="store_true")
     g.add_argument("--numa-bind", choices=("auto", "none"), default="auto")
     g.add_argument("--dist-timeout", type=float, default=120.0, help="seconds")
-    g.add_argument("--nnodes", type=int, default=1, help="hosts of a multi-host group")
-    g.add_argument("--node-rank", type=int, default=0)
-    g.add_argument("--master-addr", default=None, help="address of node rank 0")
-    g.add_argument("--master-port", type=int, default=None)
+    g.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="hosts of a multi-host group (default 1; LWS_GROUP_SIZE under a LeaderWorkerSet)",
+    )
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this host's index, 0 = the API's host (default 0; LWS_WORKER_INDEX under LWS)",
+    )
+    g.add_argument(
+        "--master-addr",
+        default=None,
+        help="address of node rank 0, where the ranks meet (LWS_LEADER_ADDRESS under LWS)",
+    )
+    g.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="port there (MASTER_PORT, else 29500 under LWS)",
+    )
 
 
 def _add_eplb_args(p: argparse.ArgumentParser) -> None:
@@ -143,7 +164,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         if dp is not None and dp != args.ep:
             raise ValueError(f"--ep {args.ep} means --dp {args.ep}; it conflicts with --dp {dp}")
         dp, ep_on = args.ep, True
-    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+    # a LeaderWorkerSet pod gets its place in the group from LWS's variables
+    nnodes, node_rank, master_addr, master_port = apply_lws(
+        os.environ, args.nnodes, args.node_rank, args.master_addr, args.master_port
+    )
+    if nnodes > 1 and (master_addr is None or master_port is None):
         raise ValueError("--nnodes > 1 needs --master-addr and --master-port (node rank 0's)")
     return dict(
         model=args.model,
@@ -175,10 +200,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         two_batch_overlap=args.two_batch_overlap,
         numa_bind=args.numa_bind,
         dist_timeout_s=args.dist_timeout,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
     )
 
 
@@ -233,8 +258,6 @@ def _stream(llm, prompt, params, quiet: bool) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
     from moeserve.config import EngineConfig
     from moeserve.launch.host import HOST, RANK, run_external_rank, run_host, serve_role
     from moeserve.serving.launcher import ServeOptions, serve

@@ -215,7 +215,9 @@ def _join(
     except (dist.DistError, RuntimeError) as e:
         raise RuntimeError(
             f"rank {spec.rank}: the {spec.world_size} ranks did not all join {spec.init_method} "
-            f"within {config.dist_timeout_s:g}s ({spec.source} launch): {e}"
+            f"within {config.dist_timeout_s:g}s ({spec.source} launch; every host must start, "
+            f"with the same layout: here {config.parallel_dims.describe()} over {spec.nnodes} "
+            f"node(s)): {e}"
         ) from e
     groups = ParallelGroups.build(config.parallel_dims)
     return LLMEngine(config, groups), groups
