@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import debian
+
 _BINARIES = (
     "munged",
     "slurmctld",
@@ -44,7 +46,6 @@ _BINARIES = (
     "sinfo",
     "scontrol",
 )
-_INSTALL_TIMEOUT_S = 900
 _START_TIMEOUT_S = 60
 _STOP_TIMEOUT_S = 20
 KILL_WAIT_S = 10  # slurm.conf KillWait: SIGTERM to SIGKILL when a job is cancelled
@@ -190,26 +191,7 @@ def ensure_installed() -> None:
     """apt-get install slurm-wlm and munge when missing; pytest.skip when that can't be done."""
     if os.geteuid() != 0:
         pytest.skip("the Slurm cluster test runs slurmd, which needs root")
-    if all(shutil.which(b) for b in _BINARIES):
-        return
-    if shutil.which("apt-get") is None:
-        pytest.skip("slurm-wlm and munge are not installed and there is no apt-get to install them")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "slurm-wlm", "munge"]
-    out = None
-    for cmd in (install, ["apt-get", "update", "-q"], install):
-        try:
-            out = subprocess.run(
-                cmd, env=env, capture_output=True, text=True, timeout=_INSTALL_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"{' '.join(cmd)} did not finish in {_INSTALL_TIMEOUT_S}s")
-        if cmd is install and out.returncode == 0:
-            break
-    missing = [b for b in _BINARIES if shutil.which(b) is None]
-    if missing:
-        tail = "\n".join((out.stdout + out.stderr).splitlines()[-10:]) if out else ""
-        pytest.skip(f"installing slurm-wlm and munge failed (missing {missing}):\n{tail}")
+    debian.ensure_installed(("slurm-wlm", "munge"), _BINARIES)
 
 
 def slurm_conf(root: Path, host: str, cpus: int, memory_mb: int, ports: tuple[int, int]) -> str:

@@ -25,6 +25,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import debian
 from tests.e2e.dashboard_queries import (
     ALERTS,
     alert_queries,
@@ -137,11 +138,10 @@ def _until(what: str, check, timeout: float = 30.0):
 
 @pytest.fixture()
 def prometheus(full_server, tmp_path) -> Iterator[str]:
-    """Where a ``prometheus`` binary is installed (Debian: ``apt-get install prometheus``):
+    """Debian's ``prometheus`` (installed when missing and root, else skipped):
     one scraping the full server every second, with the alert rules loaded. Yields its URL."""
+    debian.ensure_installed(("prometheus",), ("prometheus",))
     binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("no prometheus binary on PATH")
     target = full_server.url.removeprefix("http://")
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
