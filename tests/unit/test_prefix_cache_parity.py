@@ -17,6 +17,8 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.demo import demo_model_path
+from moeserve.ops.cpu import bf16_amx
+from moeserve.platform import cpu_flags
 from tests.checkpoints import VOCAB, build_hf_model, save_hf_checkpoint
 
 BS = 16  # EngineConfig's default block size
@@ -53,8 +55,8 @@ def run(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[tuple[list[i
     return outs
 
 
-def assert_same(got, want) -> float:
-    """Identical greedy tokens, logprobs within TOL; returns the largest logprob gap (over
+def assert_same(got, want, tol: float = TOL) -> float:
+    """Identical greedy tokens, logprobs within ``tol``; returns the largest logprob gap (over
     each output up to where it first differs)."""
     gap, changed = 0.0, []
     for i, ((tg, lg), (tw, lw)) in enumerate(zip(got, want, strict=True)):
@@ -63,7 +65,7 @@ def assert_same(got, want) -> float:
         if tg != tw:
             changed.append(f"prompt {i} from token {same}")
     assert not changed, f"greedy outputs changed: {changed}; logprobs moved by {gap:.3g}"
-    assert gap <= TOL, f"logprobs moved by {gap:.3g} (> {TOL})"
+    assert gap <= tol, f"logprobs moved by {gap:.3g} (> {tol})"
     return gap
 
 
@@ -109,6 +111,14 @@ def bf16_llm(path, **kw) -> LLM:
     return make_llm(path, quantization="bf16", max_num_seqs=1, kv_cache_memory_gb=0.05, **kw)
 
 
+def _bf16_tolerance() -> float:
+    """Where the AMX bf16 kernel runs, a row's sums do not depend on the rows beside it:
+    TOL. Elsewhere the bf16 weights are widened per call and torch's fp32 GEMM blocks by
+    the row count, so one token computed alone rounds apart from the same token in a long
+    prefill: 4.9e-4 measured on an AVX2-only EPYC; the decode path's ~1e-2 stays caught."""
+    return TOL if bf16_amx._FLAGS <= cpu_flags() else 2e-3
+
+
 def test_one_token_left_after_a_hit_runs_the_prefill_path():
     """A prompt of k blocks + 1 token hits k blocks; its last token must take the prefill
     path, as in the cold run (the decode path moved these logprobs by ~1e-2 and changed a
@@ -124,7 +134,7 @@ def test_one_token_left_after_a_hit_runs_the_prefill_path():
     hits = bm.prefix_cache_hits
     warm = [run(llm, [p])[0] for p in prompts]
     assert bm.prefix_cache_hits - hits == sum(len(p) - 1 for p in prompts)
-    assert_same(warm, cold)
+    assert_same(warm, cold, tol=_bf16_tolerance())
 
 
 def test_next_turn_repeating_an_answer_matches_cold():
