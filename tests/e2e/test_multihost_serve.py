@@ -245,3 +245,52 @@ def test_kill_9_of_node_0s_engine_ends_both_hosts(group):
     assert codes[0] not in (None, 0) and codes[1] not in (None, 0), group.logs()
     assert "the engine process exited with code -9" in node0.log()
     assert group.leftovers() == [], group.logs()
+
+
+def test_serve_under_torchrun_on_two_nodes(tmp_path, one_process_answers):
+    """Two torchrun agents as two nodes (loopback, static rendezvous): the API on rank 0,
+    the node count from torchrun's variables, the one-process answers, SIGTERM to node 0's
+    agent stopping both nodes with nothing left."""
+    from moeserve.launch.spec import free_port
+
+    port, master = free_port(), free_port()
+    nodes = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        cmd += ["--nproc-per-node", "1", "--node-rank", str(node)]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(master)]
+        cmd += ["-m", "moeserve.cli", "serve", "--ep", "2", *DTYPE, "--port", str(port)]
+        log_path = tmp_path / f"torchrun{node}.log"
+        with open(log_path, "w") as log:
+            nodes.append(
+                Node(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log_path)
+            )
+    group = Group(nodes, hosts=[])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while f"on {url}" not in nodes[0].log():
+            assert all(n.proc.poll() is None for n in nodes), group.logs()
+            assert time.monotonic() < deadline, group.logs()
+            time.sleep(0.3)
+        assert "2 rank(s) on 2 node(s)" in nodes[0].log()  # nnodes from GROUP_WORLD_SIZE
+        for n in nodes:
+            n.remember_processes()
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.e2e.openai_probe", url, "greedy"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=REPO,
+        )
+        assert done.returncode == 0, done.stderr + group.logs()
+        assert json.loads(done.stdout) == one_process_answers
+        nodes[0].proc.send_signal(signal.SIGTERM)
+        codes = group.wait_exit(90)
+        # node 1's agent: its worker exited 0; node 0's agent reports the SIGTERM it got
+        # itself as a failure (torchrun's own rule), after its worker stopped cleanly
+        assert codes[1] == 0 and codes[0] is not None, group.logs()
+        assert "server stopped" in nodes[0].log(), group.logs()
+        assert group.leftovers() == [], group.logs()
+    finally:
+        group.kill_everything()
