@@ -294,3 +294,21 @@ def test_serve_under_torchrun_on_two_nodes(tmp_path, one_process_answers):
         assert group.leftovers() == [], group.logs()
     finally:
         group.kill_everything()
+
+
+def test_a_rendezvous_a_host_cannot_use_fails_at_start_on_that_host(tmp_path):
+    """Host B with a master address it has no route to, and node 0 with a master address
+    that is not its own: each fails at once, naming the flag (no model is loaded)."""
+    with two_hosts() as hosts:
+        b = _serve_cmd(1)
+        b[b.index("--master-addr") + 1] = "10.99.0.1"
+        done = subprocess.run(in_host(hosts[1], b), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "no network interface of this host reaches --master-addr 10.99.0.1" in done.stderr
+        a = _serve_cmd(0)
+        a[a.index("--master-addr") + 1] = "10.231.0.2"  # host B's address
+        done = subprocess.run(in_host(hosts[0], a), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, done.stderr
+        assert "--master-addr 10.231.0.2 (10.231.0.2) is not an address of this host" in (
+            done.stderr
+        )
