@@ -137,7 +137,9 @@ class EngineCore:
         sock.setsockopt(zmq.LINGER, 2000)
         try:
             sock.connect(self._report_to)
-            sock.send(m.encode(msg))
+            sock.send(m.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the server is gone: it no longer needs to know
+            logger.warning("could not send %s to the API server: %s", type(msg).__name__, e)
         finally:
             sock.close()
 
