@@ -151,7 +151,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/failure_detection.json")
     args = ap.parse_args()
     rows = []
-    print(f"{'event':14} | node 0 exit s (median, max) | node 1 exit s | codes | left")
+    print(f"{'event':14} | node 0 exits after s | node 1 exits after s | exit codes | left")
+    print(f"{'':14} |   median      max    |   median      max    |            |")
     for event in args.events.split(","):
         runs = []
         for _ in range(args.repeat):
@@ -162,8 +163,8 @@ def main() -> None:
         codes = sorted({tuple(r["codes"]) for r in runs})
         left = sum(r["left_behind"] for r in runs)
         print(
-            f"{event:14} | {statistics.median(n0):6.1f} {max(n0):6.1f}"
-            f"{'':15} | {statistics.median(n1):6.1f} {max(n1):6.1f} | {codes} | {left}",
+            f"{event:14} | {statistics.median(n0):8.1f} {max(n0):8.1f}    "
+            f"| {statistics.median(n1):8.1f} {max(n1):8.1f}    | {codes} | {left}",
             flush=True,
         )
         rows.extend(runs)

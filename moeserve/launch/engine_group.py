@@ -459,6 +459,8 @@ class EngineGroup:
                     logger.error("could not write the expert statistics: %s", e)
             if self.closed:  # the dump failed the group
                 return
+            # the ranks stop beating as they stop: a slow exit is not a death
+            self._monitor.stop()
             try:
                 broadcast_json({"cmd": STOP}, self.groups.world, 0)
             finally:

@@ -2,13 +2,15 @@
 moeserve.launch.worker '<json>'`` with the rank's LaunchSpec, EngineConfig and binding.
 
 The rank exits on its own when the process that spawned it disappears; its last error goes
-to ``$MOESERVE_ERROR_FILE`` so the driver can name it.
+to ``$MOESERVE_ERROR_FILE`` so the driver can name it. SIGINT is left to the process that
+spawned it; SIGTERM asks rank 0 to stop the group (``start.run_rank``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -24,6 +26,9 @@ def _orphan_watch(parent: int) -> None:
 
 def main(argv: list[str]) -> int:
     threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True).start()
+    # a terminal's Ctrl-C reaches the whole process group: the process that spawned this
+    # rank decides what it means (a drain of the group), the rank follows rank 0
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from moeserve.config import EngineConfig
         from moeserve.launch.numa import RankBinding
