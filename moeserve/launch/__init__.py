@@ -4,6 +4,7 @@
   and how a rank joins the world (:func:`run_rank` for every rank > 0)
 - ``host``: ``serve`` where the API does not run: a ``--node-rank >= 1`` host's agent for
   its ranks, or a rank > 0 that torchrun or srun started
+- ``agreement``: rank 0 publishes what the group was started with; other ranks compare
 - ``liveness``: every rank's heartbeat, rank 0's monitor of them, failure and stop notices
   (through the rendezvous store)
 - ``processes``: :class:`WorkerProcesses` (the ranks this process spawned, watched)

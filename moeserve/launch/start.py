@@ -36,6 +36,7 @@ from moeserve.config import EngineConfig
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.interface import Engine
+from moeserve.launch.agreement import check_terms, group_terms, publish_terms
 from moeserve.launch.engine_group import EngineGroup, serve_steps
 from moeserve.launch.liveness import Heartbeat, request_stop
 from moeserve.launch.netif import check_rendezvous, interface_towards
@@ -199,6 +200,11 @@ def _join(
         iface = interface_towards(spec.master_addr)
         if iface:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
+    terms = group_terms(config, spec)
+    if spec.rank == 0:
+        publish_terms(spec, terms, config.dist_timeout_s)
+    else:  # a host started unlike node 0 fails here, at once, naming what differs
+        check_terms(spec, terms, config.dist_timeout_s)
     backend = "gloo"
     if config.torch_device.type == "cuda":
         # one GPU per local rank; NCCL moves CUDA tensors, gloo the CPU control messages

@@ -312,3 +312,25 @@ def test_a_rendezvous_a_host_cannot_use_fails_at_start_on_that_host(tmp_path):
         assert "--master-addr 10.231.0.2 (10.231.0.2) is not an address of this host" in (
             done.stderr
         )
+
+
+def test_a_host_started_with_another_layout_fails_at_once_naming_it(tmp_path):
+    """Host B with ``--ep 4`` against node 0's ``--ep 2``: B fails as soon as node 0 is up,
+    naming both layouts; node 0 fails at its ``--dist-timeout``; nothing is left."""
+    with two_hosts() as hosts:
+        a = _serve_cmd(0)
+        a[a.index("--dist-timeout") + 1] = "10"
+        b = _serve_cmd(1)
+        b[b.index("--ep") + 1] = "4"
+        node0 = subprocess.Popen(in_host(hosts[0], a), stderr=subprocess.PIPE, text=True)
+        node1 = subprocess.Popen(in_host(hosts[1], b), stderr=subprocess.PIPE, text=True)
+        try:
+            err1 = node1.communicate(timeout=120)[1]
+            err0 = node0.communicate(timeout=120)[1]
+        finally:
+            node0.kill()
+            node1.kill()
+        assert node1.returncode == 1, err1
+        assert "was started unlike node 0 (layout: 'tp=1 dp=4 pp=1 ep=4 (world 4)' here" in err1
+        assert node0.returncode == 1, err0
+        assert "did not all join" in err0 and "within 10s" in err0
