@@ -292,12 +292,20 @@ class Heartbeat:
 
     def _run(self) -> None:
         store, unreachable_since = None, None
+        # the first rank of each host that torchrun or srun started says which API it serves
+        # (an agent of moeserve's own, on --node-rank >= 1 hosts, says it for its ranks)
+        tell_api = self.spec.local_rank == 0 and self.spec.source in ("torchrun", "slurm")
         while not self._stop.wait(self.interval_s):
             try:
                 store = store or connect_store(self.spec)
                 store.add(_hb_key(self.spec.rank), 1)
                 failed = store.get(_FAILED_KEY).decode() if store.check([_FAILED_KEY]) else None
                 unreachable_since = None
+                if tell_api and (url := read_api_url(store)) is not None:
+                    logging.getLogger("moeserve.serve").info(
+                        "node %d serves the API at %s (on node 0)", self.spec.node_rank, url
+                    )
+                    tell_api = False
             except (RuntimeError, dist.DistError, OSError) as e:
                 store, failed = None, None
                 unreachable_since = unreachable_since or time.monotonic()

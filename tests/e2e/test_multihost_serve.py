@@ -125,15 +125,25 @@ class Group:
             n.proc.wait(10)
 
 
-def _health(group: Group) -> int:
-    code = "import httpx,sys; print(httpx.get(sys.argv[1] + '/health', timeout=2).status_code)"
+_HEALTH = """
+import json, sys, httpx
+r = httpx.get(sys.argv[1] + "/health", timeout=2)
+print(json.dumps({"status": r.status_code, "body": r.text}))
+"""
+
+
+def _health_answer(group: Group) -> dict:
     done = subprocess.run(
-        in_host(group.hosts[0], [sys.executable, "-c", code, URL]),
+        in_host(group.hosts[0], [sys.executable, "-c", _HEALTH, URL]),
         capture_output=True,
         text=True,
         timeout=30,
     )
-    return int(done.stdout.strip() or 0)
+    return json.loads(done.stdout or '{"status": 0, "body": ""}')
+
+
+def _health(group: Group) -> int:
+    return _health_answer(group)["status"]
 
 
 @pytest.fixture
@@ -200,6 +210,35 @@ def test_sigterm_on_host_b_stops_the_whole_service(group):
     group.nodes[1].proc.send_signal(signal.SIGTERM)
     assert group.wait_exit(60) == [0, 0], group.logs()
     assert "node 1 got SIGTERM" in group.nodes[0].log()
+    assert group.leftovers() == [], group.logs()
+
+
+def test_health_names_a_rank_whose_heartbeat_is_late_and_recovers(group):
+    """SIGSTOP of host B's rank: its heartbeat stops while its connections stay up; /health
+    turns 503 naming it within seconds, and 200 again once it resumes (before the 10 s after
+    which it would count as dead)."""
+    node1 = group.nodes[1]
+    rank1 = next(p for p in descendants(node1.proc.pid) if p in node1.known)
+    os.kill(rank1, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 8
+        answer = _health_answer(group)
+        while answer["status"] == 200 and time.monotonic() < deadline:
+            time.sleep(0.3)
+            answer = _health_answer(group)
+    finally:
+        os.kill(rank1, signal.SIGCONT)
+    assert answer["status"] == 503, answer
+    assert "1 rank(s) missing: rank 1 (node 1, host" in answer["body"], answer
+    assert "10.231.0.2" in answer["body"] and "no heartbeat for" in answer["body"]
+    deadline = time.monotonic() + 10
+    while _health(group) != 200:
+        assert time.monotonic() < deadline, group.logs()
+        time.sleep(0.3)
+    done = group.probe("greedy")  # the group still serves
+    assert done.returncode == 0, done.stderr + group.logs()
+    group.nodes[0].proc.send_signal(signal.SIGTERM)
+    assert group.wait_exit(60) == [0, 0], group.logs()
     assert group.leftovers() == [], group.logs()
 
 
@@ -274,6 +313,9 @@ def test_serve_under_torchrun_on_two_nodes(tmp_path, one_process_answers):
             assert time.monotonic() < deadline, group.logs()
             time.sleep(0.3)
         assert "2 rank(s) on 2 node(s)" in nodes[0].log()  # nnodes from GROUP_WORLD_SIZE
+        while f"node 1 serves the API at {url}" not in nodes[1].log():  # its rank says so
+            assert time.monotonic() < deadline, group.logs()
+            time.sleep(0.3)
         for n in nodes:
             n.remember_processes()
         done = subprocess.run(
