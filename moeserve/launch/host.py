@@ -25,8 +25,8 @@ from moeserve.config import EngineConfig
 from moeserve.launch.liveness import connect_store, publish_failure, read_api_url, request_stop
 from moeserve.launch.netif import check_rendezvous
 from moeserve.launch.processes import WorkerProcesses
-from moeserve.launch.spec import LaunchSpec, check_world_size, detect_external, plan_local_ranks
-from moeserve.launch.start import bindings, run_rank, with_topology
+from moeserve.launch.spec import LaunchSpec, check_world_size, detect_external
+from moeserve.launch.start import bindings, local_specs, run_rank, with_topology
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.loader import check_layout
 
@@ -69,13 +69,7 @@ def run_host(config: EngineConfig, grace_s: float | None = None) -> int:
     the group to stop from node 0, then kill the ranks and exit 1; a second SIGINT kills at
     once. Returns the exit code."""
     dims = config.parallel_dims
-    specs = plan_local_ranks(
-        dims.world_size,
-        config.nnodes,
-        config.node_rank,
-        config.master_addr or "127.0.0.1",
-        config.master_port,
-    )
+    specs = local_specs(config)
     check_layout(ModelConfig.from_dir(config.model), dims, config.moe_options)
     check_rendezvous(specs[0])
     grace_s = config.shutdown_grace_s if grace_s is None else grace_s

@@ -76,13 +76,7 @@ def start_engine(config: EngineConfig) -> Engine:
         config = with_topology(config, spec)
         check_rendezvous(spec)
     else:
-        specs = plan_local_ranks(
-            dims.world_size,
-            config.nnodes,
-            config.node_rank,
-            config.master_addr or "127.0.0.1",
-            config.master_port,
-        )
+        specs = local_specs(config)
         spec = specs[0]
         check_rendezvous(spec)  # before any rank starts
         workers = WorkerProcesses(specs[1:], config, bindings(config, len(specs)))
@@ -109,6 +103,17 @@ def start_engine(config: EngineConfig) -> Engine:
         workers.watch(group)
     logger.info("engine group ready: %s over %d node(s)", dims.describe(), spec.nnodes)
     return group
+
+
+def local_specs(config: EngineConfig) -> list[LaunchSpec]:
+    """The ranks this host runs when moeserve starts them itself (one host, or --nnodes)."""
+    return plan_local_ranks(
+        config.parallel_dims.world_size,
+        config.nnodes,
+        config.node_rank,
+        config.master_addr or "127.0.0.1",
+        config.master_port,
+    )
 
 
 def with_topology(config: EngineConfig, spec: LaunchSpec) -> EngineConfig:
