@@ -63,16 +63,16 @@ def run_external_rank(config: EngineConfig, env: Mapping[str, str]) -> int:
     return run_rank(spec, config, bindings(config, spec.local_world_size)[spec.local_rank])
 
 
-def run_host(config: EngineConfig, grace_s: float | None = None) -> int:
+def run_host(config: EngineConfig) -> int:
     """Node I >= 1 of ``--nnodes N``: spawn this host's ranks and watch them (see the module
-    docstring). SIGTERM or SIGINT: wait ``grace_s`` (default ``config.shutdown_grace_s``) for
+    docstring). SIGTERM or SIGINT: wait ``config.shutdown_grace_s`` for
     the group to stop from node 0, then kill the ranks and exit 1; a second SIGINT kills at
     once. Returns the exit code."""
     dims = config.parallel_dims
     specs = local_specs(config)
     check_layout(ModelConfig.from_dir(config.model), dims, config.moe_options)
     check_rendezvous(specs[0])
-    grace_s = config.shutdown_grace_s if grace_s is None else grace_s
+    grace_s = config.shutdown_grace_s
     stop_by: list[float] = []  # when a signal asked to stop: the deadline
     forced = threading.Event()
 
