@@ -44,7 +44,7 @@ from moeserve.engine import codec
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.scheduler import QueueFullError
 from moeserve.eplb.balancer import run_command
-from moeserve.launch.liveness import RankMonitor, announce_api
+from moeserve.launch.liveness import RankMonitor, announce_api, wait_for_ranks_to_leave
 from moeserve.launch.spec import LaunchSpec
 
 logger = logging.getLogger(__name__)
@@ -477,6 +477,10 @@ class EngineGroup:
             self.workers.kill_all()
         elif self.workers is not None:
             self.workers.join()
+        if not kill:  # a clean stop: the other ranks close their store connections first
+            late = wait_for_ranks_to_leave(self._spec)
+            if late:
+                logger.warning("ranks %s did not confirm their stop", late)
         if dist.is_initialized():
             dist.destroy_process_group()
         if self._on_close is not None:

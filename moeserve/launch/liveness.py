@@ -8,6 +8,8 @@ own, so no collective of the engine is involved and a rank stuck in one still be
     moeserve/hb/<rank>    a counter each rank > 0 adds 1 to every HEARTBEAT_INTERVAL_S
     moeserve/failed       the first failure a host reported (its agent saw a rank die)
     moeserve/api          the API's URL, once node 0 serves it (the other hosts log it)
+    moeserve/left/<rank>  a rank stopped beating after the group's stop (rank 0 waits for
+                          these before its store closes)
     moeserve/stop         a host other than node 0 was asked to stop (SIGTERM): node 0
                           drains and stops the whole group, as if it had been signalled
 
@@ -58,6 +60,26 @@ def _hb_key(rank: int) -> str:
 
 def _who_key(rank: int) -> str:
     return f"moeserve/who/{rank}"
+
+
+def _left_key(rank: int) -> str:
+    return f"moeserve/left/{rank}"
+
+
+def wait_for_ranks_to_leave(spec: LaunchSpec, timeout_s: float = 5.0) -> list[int]:
+    """Rank 0, after its stop: wait until every rank > 0 has stopped beating (``Heartbeat.stop``)
+    before the store closes; returns the ranks that did not say so within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(range(1, spec.world_size))
+    while pending and time.monotonic() < deadline:
+        try:
+            store = connect_store(spec, timeout_s=2.0)
+            pending = [r for r in pending if not store.check([_left_key(r)])]
+        except (RuntimeError, dist.DistError, OSError):
+            return pending
+        if pending:
+            time.sleep(0.05)
+    return pending
 
 
 def connect_store(spec: LaunchSpec, timeout_s: float = _STORE_TIMEOUT_S) -> dist.TCPStore:
@@ -288,7 +310,17 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
+        """Stop beating and wait for the thread (no request of it is left in flight), then
+        tell rank 0 this rank has left: rank 0 closes the store only after every rank left
+        (:func:`wait_for_ranks_to_leave`; a store torn down under a request in flight aborts
+        its process)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s + _STORE_TIMEOUT_S + 1)
+        try:
+            connect_store(self.spec).set(_left_key(self.spec.rank), "1")
+        except (RuntimeError, dist.DistError, OSError) as e:
+            logger.debug("could not tell rank 0 that rank %d left: %s", self.spec.rank, e)
 
     def _run(self) -> None:
         store, unreachable_since = None, None
