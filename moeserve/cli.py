@@ -269,6 +269,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         kwargs["model"] = str(demo_model_path())
     # a rank > 0 that gets SIGTERM waits for node 0's drain (the timeout) and the group's stop
+    kwargs.update(disaggregation_kwargs(args))
     config = EngineConfig(**kwargs, progress=True, shutdown_grace_s=args.shutdown_timeout + 15)
     role = serve_role(config, os.environ)
     if role == HOST:  # --node-rank >= 1: this host's ranks, no HTTP
@@ -290,6 +291,57 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         **body_limit,
     )
     return serve(config, options)
+
+
+def disaggregation_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig's disaggregation fields from serve's flags. The bootstrap socket and the
+    transfer engine listen where the HTTP server does; a wildcard --host needs
+    --disaggregation-host (the address the other instances reach this one at)."""
+    host = args.disaggregation_host or args.host
+    if args.disaggregation_mode != "null" and host in ("0.0.0.0", "::", ""):
+        raise ValueError(
+            f"--host {args.host} is no address the other instances can reach: set "
+            "--disaggregation-host to this host's address"
+        )
+    return {
+        "disaggregation_mode": args.disaggregation_mode,
+        "disaggregation_bootstrap_port": args.disaggregation_bootstrap_port,
+        "disaggregation_host": host,
+        "disaggregation_ib_device": args.disaggregation_ib_device,
+        "disaggregation_transfer_timeout_s": args.disaggregation_transfer_timeout,
+    }
+
+
+def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--disaggregation-mode",
+        default="null",
+        choices=("null", "prefill", "decode"),
+        help="prefill/decode disaggregation role behind `moeserve router` (null: colocated)",
+    )
+    p.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=8998,
+        help="prefill: the port decode instances reach this one's bootstrap socket at",
+    )
+    p.add_argument(
+        "--disaggregation-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a KV transfer (or the wait for the other side) may take before the "
+        "request fails with 503",
+    )
+    p.add_argument(
+        "--disaggregation-ib-device",
+        default=None,
+        help="RDMA device for the Mooncake transfer engine (e.g. mlx5_0); default: TCP",
+    )
+    p.add_argument(
+        "--disaggregation-host",
+        default=None,
+        help="the address other instances reach this one at (default: --host)",
+    )
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
@@ -365,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error", "critical")
     )
+    _add_disaggregation_args(s)
     s.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks against a running server")

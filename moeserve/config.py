@@ -67,6 +67,43 @@ class EplbOptions:
         return max(c for c in range(1, 11) if self.window_steps % c == 0)
 
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DisaggregationOptions:
+    """Prefill/decode disaggregation (``moeserve/disagg/``; SGLang's flag names). ``mode``
+    ``null`` serves colocated. ``host``: the address the other instances reach this one at
+    (the bootstrap socket and the transfer engine); ``ib_device``: RDMA device for the
+    transfer engine (None: TCP). ``transfer_timeout_s``: how long a KV transfer, or a side
+    waiting for the other, may take before the request fails."""
+
+    mode: str = "null"
+    bootstrap_port: int = 8998
+    host: str = "127.0.0.1"
+    ib_device: str | None = None
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"disaggregation_mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                f"got {self.mode!r}"
+            )
+        if not 0 < self.bootstrap_port < 65536:
+            raise ValueError(
+                f"disaggregation_bootstrap_port must be in [1, 65535], got {self.bootstrap_port}"
+            )
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(
+                f"disaggregation_transfer_timeout must be > 0, got {self.transfer_timeout_s}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "null"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -114,6 +151,12 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    # prefill/decode disaggregation (DisaggregationOptions; SGLang's names)
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_host: str = "127.0.0.1"
+    disaggregation_ib_device: str | None = None
+    disaggregation_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -154,6 +197,28 @@ class EngineConfig:
             raise ValueError(
                 f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
             )
+        if self.disaggregation_options.enabled:
+            if self.speculative_num_tokens:
+                raise ValueError(
+                    "speculative decoding with prefill/decode disaggregation is not supported "
+                    "yet: drop --speculative-num-tokens or --disaggregation-mode"
+                )
+            if self.parallel_dims.world_size > 1:
+                raise ValueError(
+                    "prefill/decode disaggregation runs one process per instance for now: "
+                    "drop the parallel layout flags (--tp/--dp/--pp/--ep) or "
+                    "--disaggregation-mode"
+                )
+
+    @property
+    def disaggregation_options(self) -> DisaggregationOptions:
+        return DisaggregationOptions(
+            mode=self.disaggregation_mode,
+            bootstrap_port=self.disaggregation_bootstrap_port,
+            host=self.disaggregation_host,
+            ib_device=self.disaggregation_ib_device,
+            transfer_timeout_s=self.disaggregation_transfer_timeout_s,
+        )
 
     @property
     def parallel_dims(self) -> ParallelDims:

@@ -20,6 +20,26 @@ OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
 @dataclass(frozen=True)
+class KVTransferParams:
+    """Where a disaggregated request's KV moves (SGLang's bootstrap fields, which the router
+    adds to the request it sends to a prefill and a decode instance at once): the prefill
+    instance's bootstrap ``host`` and ``port`` and the ``room`` naming this request on both
+    sides (``moeserve/disagg/``)."""
+
+    host: str
+    port: int
+    room: int
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("bootstrap_host must not be empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"bootstrap_port must be in [1, 65535], got {self.port}")
+        if not 0 <= self.room < 1 << 64:
+            raise ValueError(f"bootstrap_room must be in [0, 2**64), got {self.room}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request; the names and defaults follow vLLM's ``SamplingParams``.
 
@@ -56,8 +76,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
     detokenize: bool = True
+    # prefill/decode disaggregation: where this request's KV comes from or goes to
+    kv_transfer: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_transfer, dict):
+            object.__setattr__(self, "kv_transfer", KVTransferParams(**self.kv_transfer))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
@@ -123,7 +147,16 @@ class FinishReason(str, enum.Enum):
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted (its KV freed, to be recomputed)
     RUNNING = "running"  # owns KV blocks and takes part in steps
+    PARKED = "parked"  # owns KV blocks that move between instances (disaggregation)
     FINISHED = "finished"
+
+
+class KVRole(enum.Enum):
+    """A sequence's part in prefill/decode disaggregation."""
+
+    LOCAL = "local"  # computes its prompt and its outputs here
+    PREFILL = "prefill"  # computes the prompt's KV here for a decode instance; never samples
+    DECODE = "decode"  # receives its prompt's KV from a prefill instance, then decodes
 
 
 @dataclass(frozen=True)
@@ -172,6 +205,8 @@ class Sequence:
     generator: torch.Generator | None = None
     first_scheduled_time: float | None = None  # first admission to the running queue
     first_token_time: float | None = None
+    kv_role: KVRole = KVRole.LOCAL
+    error: str | None = None  # why it ended abnormally (a failed KV transfer), for the caller
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -275,6 +310,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # the request failed (finish reason "abort"): why
 
 
 PromptType = str | SequenceABC[int]
@@ -295,7 +331,8 @@ class ScheduledSeq:
     sample: bool = field(init=False)  # fixed when scheduled: appending a token must not flip it
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sample", self.end == self.seq.num_tokens)
+        sample = self.end == self.seq.num_tokens and self.seq.kv_role is not KVRole.PREFILL
+        object.__setattr__(self, "sample", sample)
 
     @property
     def end(self) -> int:

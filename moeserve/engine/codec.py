@@ -67,6 +67,7 @@ def output_to_json(o: RequestOutput) -> Json:
         "prompt_logprobs": _logprob_list(o.prompt_logprobs, logprobs_to_json),
         "num_cached_tokens": o.num_cached_tokens,
         "metrics": o.metrics,
+        "error": o.error,
         "outputs": [
             {
                 "index": c.index,
@@ -104,6 +105,7 @@ def output_from_json(d: Json) -> RequestOutput:
         prompt_logprobs=_logprob_list(d["prompt_logprobs"], logprobs_from_json),
         num_cached_tokens=d["num_cached_tokens"],
         metrics=dict(d["metrics"]),
+        error=d.get("error"),
     )
 
 

@@ -18,7 +18,16 @@ from pathlib import Path
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.core import FinishReason, PromptType, RequestOutput, SamplingParams, Sequence
+from moeserve.core import (
+    FinishReason,
+    KVRole,
+    PromptType,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+)
+from moeserve.disagg.connector import Connector, moves_kv
+from moeserve.disagg.factory import make_connector
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.codec import SeqStepOutput
 from moeserve.engine.output_processor import OutputProcessor
@@ -34,6 +43,8 @@ from moeserve.ops.cpu.hugepages import move_to_huge_pages
 from moeserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+_CONNECTOR_WAIT_S = 0.002  # an idle step's wait for a bootstrap message or a transfer
 
 _GIB = 1 << 30
 _DEFAULT_KV_CAP_GB = 4.0
@@ -107,6 +118,11 @@ class LLMEngine:
             self.model.moe_blocks(), self.model.config, groups, config.eplb_options
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        # prefill/decode disaggregation: this instance's end of the KV transfers
+        self.kv_connector: Connector | None = make_connector(
+            config.disaggregation_options, self.scheduler, self.kv_pool, config.model
+        )
+        self._finished_outside: list[Sequence] = []  # ended between steps, reported by the next
         self._log_ready(time.perf_counter() - t0)
 
     def _load_model(self) -> None:
@@ -230,19 +246,32 @@ class LLMEngine:
         params: SamplingParams,
         prompt_text: str | None = None,
     ) -> None:
-        """Queue a prompt already checked by :meth:`validate_prompt`."""
+        """Queue a prompt already checked by :meth:`validate_prompt`.
+
+        With bootstrap fields (``params.kv_transfer``) on a prefill instance, the request
+        computes its prompt's KV for a decode instance and ends with no token; on a decode
+        instance it takes that KV and decodes (``moeserve/disagg/``)."""
+        role = self._kv_role(prompt_ids, params)
         seqs = [
             Sequence(
                 request_id=request_id,
-                prompt_token_ids=prompt_ids,
+                # the decode side runs the last prompt token itself (it samples from it)
+                prompt_token_ids=prompt_ids[:-1] if role is KVRole.PREFILL else prompt_ids,
                 params=params,
                 sample_index=i,
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
+                kv_role=role,
             )
-            for i in range(params.n)
+            for i in range(1 if role is KVRole.PREFILL else params.n)
         ]
+        if role is KVRole.PREFILL:
+            self.kv_connector.on_add(seqs[0])  # raises for a room in use
         self.outputs.add(request_id, prompt_text, prompt_ids, params, seqs)
+        if role is KVRole.LOCAL and self._is_prefill_side(params):
+            seqs[0].finish(FinishReason.LENGTH)  # the decode side computes this one itself
+            self._finished_outside.append(seqs[0])
+            return
         try:
             for seq in seqs:
                 self.scheduler.add(seq)
@@ -250,6 +279,21 @@ class LLMEngine:
             self.scheduler.abort(request_id)
             self.outputs.drop(request_id)
             raise
+
+    def _kv_role(self, prompt_ids: list[int], params: SamplingParams) -> KVRole:
+        if self.kv_connector is None or not moves_kv(prompt_ids, params):
+            return KVRole.LOCAL
+        return KVRole.PREFILL if self.kv_connector.role == "prefill" else KVRole.DECODE
+
+    def _is_prefill_side(self, params: SamplingParams) -> bool:
+        """A request with bootstrap fields on a prefill instance. One whose KV does not move
+        (a one-token prompt, prompt logprobs, n > 1) ends at once with no token: the decode
+        instance computes it all."""
+        return (
+            self.kv_connector is not None
+            and self.kv_connector.role == "prefill"
+            and params.kv_transfer is not None
+        )
 
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -283,7 +327,12 @@ class LLMEngine:
         self.outputs.finish_sample(request_id, index, FinishReason.STOP, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.outputs.has_pending
+        return (
+            self.scheduler.has_unfinished()
+            or self.outputs.has_pending
+            or bool(self._finished_outside)
+            or (self.kv_connector is not None and self.kv_connector.has_pending())
+        )
 
     def eplb_command(self, action: str, path: str | None = None) -> dict:
         """An EPLB command on this process's balancer (``ExpertBalancer.command``):
@@ -313,10 +362,12 @@ class LLMEngine:
         """No other rank to tell."""
 
     def shutdown(self) -> None:
-        """A one-process engine writes its expert statistics (``expert_stats_out``); it holds
-        nothing else to release."""
+        """A one-process engine writes its expert statistics (``expert_stats_out``) and
+        closes its KV-transfer connector; it holds nothing else to release."""
         if self.eplb is not None and self.config.expert_stats_out:
             self.eplb.dump()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def stats(self, self_check: bool = True) -> dict:
         """This replica's queues, KV cache and prefix-cache counters, the tokens routed to each
@@ -327,6 +378,12 @@ class LLMEngine:
         bm = self.scheduler.block_manager
         stats = {
             "num_running": self.scheduler.num_running,
+            "num_parked": self.scheduler.num_parked,
+            "disaggregation": (
+                {"role": self.kv_connector.role, **self.kv_connector.stats.to_json()}
+                if self.kv_connector is not None
+                else None
+            ),
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": bm.usage,
@@ -354,18 +411,32 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.eplb is not None:
             self.eplb.on_step()  # count expert load; move experts during a re-placement
+        ended = self._take_finished_outside()
         batch = self.scheduler.schedule()
+        ended += self._poll_connector()  # decode side: ask for what the schedule parked
         if batch is None:
             if self.run_empty_when_idle:
                 self.runner.run_empty()
-            return self.outputs.process([])  # samples finished between steps
+            elif not ended and self.kv_connector is not None and self.kv_connector.has_pending():
+                self.kv_connector.wait(_CONNECTOR_WAIT_S)  # nothing to compute: KV in flight
+            return self.outputs.process(ended)  # samples finished between steps
         results: list[SeqStepOutput] = self.runner.run(batch)
         self.outputs.record_prompt_logprobs(batch, results)
         spec = None
         if self.config.speculative_num_tokens:
             spec = [(r.more_token_ids, r.more_logprobs, r.draft_token_ids) for r in results]
         updated = self.scheduler.update(batch, [(r.token_id, r.logprobs) for r in results], spec)
-        return self.outputs.process(updated)
+        ended += self._poll_connector()  # prefill side: send what the step computed at once
+        return self.outputs.process(updated + ended)
+
+    def _take_finished_outside(self) -> list[Sequence]:
+        """Sequences that ended between steps (no-op prefill requests) and what the
+        connector finished or heard since the last step."""
+        ended, self._finished_outside = self._finished_outside, []
+        return ended + self._poll_connector()
+
+    def _poll_connector(self) -> list[Sequence]:
+        return self.kv_connector.poll() if self.kv_connector is not None else []
 
     def step_with_stats(self) -> tuple[list[RequestOutput], dict]:
         """:meth:`step`, then :meth:`stats` without the self-check."""

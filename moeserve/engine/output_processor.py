@@ -226,6 +226,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.num_cached_prompt_tokens,
             metrics=self._metrics(state),
+            error=next((s.seq.error for s in state.samples if s.seq.error), None),
         )
 
     @staticmethod

@@ -14,6 +14,19 @@ Each :meth:`Scheduler.schedule` call builds one step:
 
 A preempted sequence recomputes prompt + outputs as its "prompt"; ``num_tokens -
 num_computed_tokens`` covers that with no special case.
+
+Prefill/decode disaggregation (``moeserve/disagg/``) parks sequences: they hold blocks outside
+both queues while their KV moves between instances. On a prefill instance a
+``KVRole.PREFILL`` sequence (its prompt is the request's prompt less the last token) runs its
+chunks as any prompt does but never samples; once its prompt is computed it is parked until
+its blocks have been written to the decode instance (:meth:`Scheduler.release`). On a decode
+instance a ``KVRole.DECODE`` sequence is admitted FCFS like any other, but takes blocks for
+all its prompt tokens but the last and no token budget, and is parked until they arrive
+(:meth:`Scheduler.kv_arrived`: it then runs its last prompt token, the step that samples its
+first output, as a cache hit would). A parked sequence that is aborted keeps its blocks in
+quarantine until the transfer can no longer touch them (:meth:`Scheduler.free_quarantined`).
+The connector takes what each step parked or aborted from ``newly_parked`` and
+``newly_quarantined``.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from dataclasses import dataclass
 from moeserve.core import (
     Batch,
     FinishReason,
+    KVRole,
     PositionLogprobs,
     ScheduledSeq,
     Sequence,
@@ -113,6 +127,11 @@ class Scheduler:
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_tokens = 0  # of those, accepted
         self.num_verify_steps = 0  # sequence-steps that verified at least one draft
+        # disaggregation: sequences holding blocks outside the queues (module docstring)
+        self.parked: dict[int, Sequence] = {}
+        self.quarantined: dict[int, Sequence] = {}  # aborted while parked, blocks still held
+        self.newly_parked: list[Sequence] = []  # taken by the connector after each step
+        self.newly_quarantined: list[Sequence] = []
 
     @property
     def num_waiting(self) -> int:
@@ -122,8 +141,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_parked(self) -> int:
+        return len(self.parked)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence. Raises ValueError when its prompt leaves no room for an output
@@ -174,10 +197,15 @@ class Scheduler:
         while (
             not preempted
             and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + self._num_receiving() < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            if seq.kv_role is KVRole.DECODE:
+                if not self._admit_receiving(seq):
+                    break
+                continue
+            if budget <= 0:
+                break
             cached = bm.lookup_prefix(seq)
             n = seq.num_tokens - len(cached) * self.config.block_size
             if n > budget:
@@ -207,6 +235,64 @@ class Scheduler:
         for entry in entries:
             self.drafts.pop(entry.seq.seq_id, None)  # verified now, or dropped
         return SpecBatch(entries, tuple(drafts[j] for j in order))
+
+    def _num_receiving(self) -> int:
+        return sum(1 for s in self.parked.values() if s.kv_role is KVRole.DECODE)
+
+    def _admit_receiving(self, seq: Sequence) -> bool:
+        """Give a decode-role sequence blocks for every prompt token but the last and park
+        it until they arrive; False when the blocks are not there."""
+        n = seq.num_prompt_tokens - 1
+        if not self.block_manager.can_allocate(seq, n):
+            return False
+        self.waiting.popleft()
+        self.block_manager.allocate(seq, n)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        self._park(seq)
+        return True
+
+    def _park(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.PARKED
+        self.parked[seq.seq_id] = seq
+        self.newly_parked.append(seq)
+
+    def kv_arrived(self, seq: Sequence) -> None:
+        """The prompt KV of a parked decode-role sequence has been written into its blocks:
+        it runs its last prompt token in the next step (a one-token prefill chunk)."""
+        if self.parked.pop(seq.seq_id, None) is None or seq.kv_role is not KVRole.DECODE:
+            raise ValueError(f"sequence {seq.seq_id} is not waiting for its KV")
+        seq.num_computed_tokens = seq.num_prompt_tokens - 1
+        seq.kv_role = KVRole.LOCAL  # from here on (a preemption too) it is a local sequence
+        self.block_manager.commit_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def release(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        error: str | None = None,
+        keep_blocks: bool = False,
+    ) -> Sequence:
+        """Finish a parked sequence and free its blocks: a prefill-role sequence whose KV has
+        been sent (``LENGTH``), or one whose transfer failed (``ABORT`` with ``error``).
+        ``keep_blocks``: a write may still land in them; they stay in quarantine until
+        :meth:`free_quarantined`."""
+        if self.parked.pop(seq.seq_id, None) is None:
+            raise ValueError(f"sequence {seq.seq_id} is not parked")
+        if keep_blocks:
+            self.quarantined[seq.seq_id] = seq
+        else:
+            self.block_manager.free(seq)
+        seq.finish(reason)
+        seq.error = error
+        return seq
+
+    def free_quarantined(self, seq: Sequence) -> None:
+        """Free the blocks of a sequence aborted while parked, once no transfer touches them."""
+        if self.quarantined.pop(seq.seq_id, None) is not None:
+            self.block_manager.free(seq)
 
     def _drafts_for(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
         """The drafts a decode verifies this step: none for a chunk, or when the token budget
@@ -270,6 +356,8 @@ class Scheduler:
             if not samples:
                 seq.num_computed_tokens = entry.end
                 self.block_manager.commit_full_blocks(seq)
+                if seq.kv_role is KVRole.PREFILL and entry.end == seq.num_tokens:
+                    self._park(seq)  # its prompt's KV is complete: it waits to be sent
                 continue
             if checked:
                 self.num_verify_steps += 1
@@ -291,7 +379,7 @@ class Scheduler:
             elif new_drafts:
                 self.drafts[seq.seq_id] = tuple(new_drafts)
             updated.append(seq)
-        self.running = [s for s in self.running if not s.is_finished]
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return updated
 
     # -- leaving early ----------------------------------------------------------------------
@@ -307,14 +395,25 @@ class Scheduler:
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every unfinished sequence of ``request_id`` with ABORT, freeing its blocks
-        before returning; returns those sequences (empty for an unknown id)."""
-        seqs = [s for s in (*self.running, *self.waiting) if s.request_id == request_id]
+        before returning (a parked one's go to quarantine); returns those sequences (empty
+        for an unknown id)."""
+        seqs = [
+            s
+            for s in (*self.running, *self.waiting, *self.parked.values())
+            if s.request_id == request_id
+        ]
         for seq in seqs:
             self.finish(seq, FinishReason.ABORT)
         return seqs
 
     def _remove(self, seq: Sequence) -> None:
         self.drafts.pop(seq.seq_id, None)
+        if seq.status is SequenceStatus.PARKED:
+            # a transfer may still read or write its blocks: the connector frees them
+            del self.parked[seq.seq_id]
+            self.quarantined[seq.seq_id] = seq
+            self.newly_quarantined.append(seq)
+            return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -347,6 +446,14 @@ class Scheduler:
                     f"scheduler: sequence {seq.seq_id} has {seq.num_computed_tokens} computed "
                     f"tokens but {len(seq.block_table)} blocks of {bs}"
                 )
+        for seq in self.parked.values():
+            if seq.status is not SequenceStatus.PARKED or seq.seq_id in running_ids:
+                raise AssertionError(f"scheduler: parked sequence {seq.seq_id} is {seq.status}")
+            if seq.kv_role is KVRole.LOCAL or not seq.block_table:
+                raise AssertionError(f"scheduler: parked sequence {seq.seq_id} holds no transfer")
+        for seq in self.quarantined.values():
+            if not seq.is_finished or seq.seq_id in self.parked or seq.seq_id in running_ids:
+                raise AssertionError(f"scheduler: quarantined sequence {seq.seq_id} is misplaced")
         for seq in self.waiting:
             if seq.status is not SequenceStatus.WAITING or seq.seq_id in running_ids:
                 raise AssertionError(f"scheduler: waiting sequence {seq.seq_id} is misplaced")

@@ -35,7 +35,9 @@ from moeserve.serving.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
+    ModelInfo,
     ModelList,
+    ServerInfo,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -82,7 +84,8 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def public_router(state: ServerState) -> APIRouter:
-    """GET /health (503 once the engine failed or the server drains), /version, /metrics."""
+    """GET /health (503 once the engine failed or the server drains), /version, /metrics,
+    /server_info and /model_info (what a router asks)."""
     router = APIRouter()
 
     @router.get("/health", responses={503: {"model": ErrorResponse}})
@@ -94,6 +97,24 @@ def public_router(state: ServerState) -> APIRouter:
     @router.get("/version")
     async def version() -> VersionResponse:
         return VersionResponse(version=moeserve.__version__)
+
+    @router.get("/server_info")
+    async def server_info() -> ServerInfo:
+        """What a router asks at registration: the role of this instance (SGLang's names)."""
+        mode = state.disaggregation_mode
+        return ServerInfo(
+            model_path=state.model_path,
+            served_model_names=state.model_names,
+            max_model_len=state.max_model_len,
+            disaggregation_mode=mode,
+            disaggregation_bootstrap_port=state.bootstrap_port,
+            disaggregation_transfer_backend="mooncake" if mode != "null" else None,
+            version=moeserve.__version__,
+        )
+
+    @router.get("/model_info")
+    async def model_info() -> ModelInfo:
+        return ModelInfo(model_path=state.model_path, tokenizer_path=state.model_path)
 
     @router.get("/metrics")
     async def metrics() -> Response:

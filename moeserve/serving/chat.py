@@ -33,7 +33,7 @@ from moeserve.serving.state import (
     new_id,
     sse,
     start_all,
-    stream_response,
+    stream_when_started,
 )
 
 
@@ -59,7 +59,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     g = Generation.create(request_id, ids, params, options, state.tokenizer)
     await start_all(state, [g])
     if req.stream:
-        return stream_response(_stream(state, req, model, g))
+        return await stream_when_started(request, [g], _stream(state, req, model, g))
     return await full_response(request, _collect(state, req, model, g))
 
 

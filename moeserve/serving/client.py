@@ -40,6 +40,11 @@ class RequestEndedError(RuntimeError):
     """The server ended this request before it finished (shutdown timeout)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this request with an error (a failed KV transfer): answered 503, so
+    a router may retry it elsewhere."""
+
+
 class QueueFullError(RuntimeError):
     """The engine's waiting queue is full (answered 503 with Retry-After)."""
 
@@ -55,17 +60,36 @@ class RequestStream:
         self.client, self.request_id = client, request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self._peeked: RequestOutput | BaseException | None = None
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
+    async def peek(self) -> RequestOutput:
+        """The next output without taking it (the iterator yields it next); raises what the
+        iterator would."""
+        if self._peeked is None:
+            self._peeked = await self.queue.get()
+        item = self._peeked
+        if isinstance(item, BaseException):
+            raise item
+        if item.error is not None:
+            raise RequestFailedError(item.error)
+        return item
+
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            item = await self.queue.get()
+            if self._peeked is not None:
+                item, self._peeked = self._peeked, None
+            else:
+                item = await self.queue.get()
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
             self.finished = item.finished
+            if item.error is not None:
+                self.finished = True
+                raise RequestFailedError(item.error)
             yield item
 
     def finish_sample(self, index: int, stop: str | None) -> None:

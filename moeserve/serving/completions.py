@@ -29,7 +29,7 @@ from moeserve.serving.state import (
     new_id,
     sse,
     start_all,
-    stream_response,
+    stream_when_started,
 )
 
 
@@ -82,7 +82,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         )
     await start_all(state, generations)
     if req.stream:
-        return stream_response(_stream(state, req, model, request_id, generations))
+        events = _stream(state, req, model, request_id, generations)
+        return await stream_when_started(request, generations, events)
     return await full_response(request, _collect(state, req, model, request_id, generations))
 
 

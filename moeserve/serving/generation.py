@@ -61,6 +61,17 @@ class Generation:
         self.stream = await client.add_request(self.request_id, self.prompt_ids, self.params)
         metrics.prompt_tokens.inc(len(self.prompt_ids))
 
+    async def first_output(self) -> None:
+        """Wait until the engine sent this request's first output (kept for :meth:`deltas`);
+        raises RequestFailedError when the engine failed the request before it."""
+        assert self.stream is not None, "start() first"
+        await self.stream.peek()
+
+    def abort(self) -> None:
+        """Drop the request in the engine (a stream that never started)."""
+        if self.stream is not None:
+            self.stream.abort()
+
     async def deltas(self, metrics: ServerMetrics) -> AsyncIterator[list[SampleDelta]]:
         """The request's sample deltas until every sample finished. Closing or cancelling
         the iterator early aborts the request in the engine."""

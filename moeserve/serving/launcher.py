@@ -230,6 +230,13 @@ def _server_state(
         max_request_body_bytes=options.max_request_body_bytes,
         max_waiting_requests=ready.max_waiting_requests,
         data_parallel_size=ready.data_parallel_size,
+        model_path=config.model,
+        disaggregation_mode=config.disaggregation_mode,
+        bootstrap_port=(
+            config.disaggregation_bootstrap_port
+            if config.disaggregation_mode == "prefill"
+            else None
+        ),
     )
 
 

@@ -71,6 +71,10 @@ class _SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # prefill/decode disaggregation (SGLang's bootstrap fields, set by the router)
+    bootstrap_host: str | None = Field(None, min_length=1, max_length=255)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | None = Field(None, ge=0, le=2**64 - 1)
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
@@ -265,6 +269,26 @@ class DetokenizeRequest(_Model):
 
 class DetokenizeResponse(_Model):
     prompt: str
+
+
+class ServerInfo(_Model):
+    """GET /server_info: what a router asks of a worker (SGLang's names)."""
+
+    model_path: str
+    served_model_names: list[str]
+    max_model_len: int
+    disaggregation_mode: Literal["null", "prefill", "decode"] = "null"
+    disaggregation_bootstrap_port: int | None = None
+    disaggregation_transfer_backend: str | None = None
+    version: str
+
+
+class ModelInfo(_Model):
+    """GET /model_info (SGLang's names)."""
+
+    model_path: str
+    tokenizer_path: str
+    is_generation: bool = True
 
 
 class VersionResponse(_Model):

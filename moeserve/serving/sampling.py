@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moeserve.core import SamplingParams
+from moeserve.core import KVTransferParams, SamplingParams
 from moeserve.serving.errors import bad_request
 from moeserve.serving.protocol import ChatCompletionRequest, CompletionRequest
 from moeserve.text_tracker import TextOptions
@@ -88,6 +88,23 @@ def max_tokens_for(
     return requested
 
 
+def kv_transfer(req: CompletionRequest | ChatCompletionRequest) -> KVTransferParams | None:
+    """The request's bootstrap fields (prefill/decode disaggregation): all three or none."""
+    fields = (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+    if all(f is None for f in fields):
+        return None
+    if any(f is None for f in fields):
+        missing = [
+            n
+            for n, f in zip(("bootstrap_host", "bootstrap_port", "bootstrap_room"), fields)
+            if f is None
+        ]
+        raise bad_request(
+            f"the bootstrap fields go together: {', '.join(missing)} missing", missing[0]
+        )
+    return KVTransferParams(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+
+
 def build_params(
     req: CompletionRequest | ChatCompletionRequest,
     defaults: ModelDefaults,
@@ -121,6 +138,7 @@ def build_params(
             skip_special_tokens=req.skip_special_tokens,
             output_kind="delta",
             detokenize=False,
+            kv_transfer=kv_transfer(req),
         )
     except ValueError as e:
         field = str(e).split(" ", 1)[0]

@@ -22,6 +22,7 @@ from moeserve.serving.client import (
     QueueFullError,
     RejectedError,
     RequestEndedError,
+    RequestFailedError,
 )
 from moeserve.serving.errors import APIError, bad_request, quoted
 from moeserve.serving.generation import Generation
@@ -53,6 +54,10 @@ class ServerState:
     # sequences the engine queues at most per DP replica (None: unbounded), and the replicas
     max_waiting_requests: int | None = None
     data_parallel_size: int = 1
+    model_path: str = ""
+    # prefill/decode disaggregation: this instance's role and bootstrap port (prefill)
+    disaggregation_mode: str = "null"
+    bootstrap_port: int | None = None
     draining: bool = False
     texts: TokenTexts = field(init=False)
 
@@ -139,6 +144,8 @@ def sse(chunk: BaseModel | dict) -> str:
 def error_event(e: BaseException) -> str:
     if isinstance(e, RequestEndedError):
         err = unavailable(f"the request was ended: {e}")
+    elif isinstance(e, RequestFailedError):
+        err = unavailable(f"the request failed: {e}")
     elif isinstance(e, EngineDeadError):
         err = APIError(500, f"the engine has failed: {e}", code="engine_dead")
     else:  # our own bug: the log has it, the client gets no exception text
@@ -193,6 +200,37 @@ async def until_disconnect(request: Request, work: Awaitable):
     raise ClientGone()
 
 
+async def await_first_outputs(request: Request, generations: list[Generation]) -> None:
+    """Wait for each disaggregated generation's first engine output before a stream's
+    headers go out: one whose KV never came answers 503 (a router retries that), not a 200
+    stream that holds an error event. Raises ClientGone when the client leaves meanwhile."""
+    waiting = [g for g in generations if g.params.kv_transfer is not None]
+    if not waiting:
+        return
+    try:
+        await until_disconnect(request, asyncio.gather(*(g.first_output() for g in waiting)))
+    except RequestFailedError as e:
+        for g in generations:
+            g.abort()
+        raise unavailable(f"the request failed: {e}") from None
+    except BaseException:
+        for g in generations:
+            g.abort()
+        raise
+
+
+async def stream_when_started(
+    request: Request, generations: list[Generation], events: AsyncIterator[str]
+) -> Response:
+    """:func:`stream_response` after :func:`await_first_outputs` (499 if the client left)."""
+    try:
+        await await_first_outputs(request, generations)
+    except ClientGone:
+        await events.aclose()
+        return Response(status_code=499)
+    return stream_response(events)
+
+
 async def full_response(request: Request, work: Awaitable) -> Response | BaseModel:
     """A non-streaming answer: the engine failing mid-way is a 500/503, a client that left
     gets nothing (499, never sent)."""
@@ -202,5 +240,7 @@ async def full_response(request: Request, work: Awaitable) -> Response | BaseMod
         return Response(status_code=499)
     except RequestEndedError as e:
         raise unavailable(f"the request was ended: {e}") from None
+    except RequestFailedError as e:
+        raise unavailable(f"the request failed: {e}") from None
     except EngineDeadError as e:
         raise APIError(500, f"the engine has failed: {e}", code="engine_dead") from None

@@ -47,7 +47,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("moeserve.distributed",),
     ("moeserve.layers",),
     ("moeserve.models", "moeserve.kvcache", "moeserve.spec", "moeserve.text_tracker"),
-    ("moeserve.engine", "moeserve.eplb"),
+    ("moeserve.engine", "moeserve.eplb", "moeserve.disagg"),
     ("moeserve.launch",),
     (
         "moeserve",
