@@ -8,6 +8,8 @@ PYTEST_ARGS ?=
 .PHONY: setup demo test test-slow test-all lint bench
 
 $(STAMP): pyproject.toml
+	# Mooncake's libraries (PD disaggregation): installs them as root, else says what to run
+	scripts/install_system_deps.sh
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU build of torch that lies on disk; an unpinned torch would pull a CUDA build

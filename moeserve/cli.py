@@ -1,5 +1,6 @@
 """``moeserve`` command line: ``serve`` (the OpenAI-compatible server), ``generate`` (one
-prompt, streamed to the terminal), ``bench serving`` and ``demo-model``."""
+prompt, streamed to the terminal), ``router`` (sglang-router in front of prefill and decode
+instances), ``bench serving`` and ``demo-model``."""
 
 from __future__ import annotations
 
@@ -344,6 +345,27 @@ def _add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    from moeserve.serving.router import RouterOptions, run_router
+
+    logging.getLogger("moeserve").setLevel(args.log_level.upper())
+    options = RouterOptions(
+        prefill_urls=tuple(args.prefill or ()),
+        decode_urls=tuple(args.decode or ()),
+        port=args.port,
+        host=args.host,
+        prometheus_port=args.prometheus_port,
+        policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        request_timeout_s=args.request_timeout,
+        wait_timeout_s=args.wait_timeout,
+        log_level=args.log_level,
+        extra_args=tuple(args.router_args),
+    )
+    return run_router(options)
+
+
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from moeserve.demo import write_demo_model
 
@@ -419,6 +441,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_disaggregation_args(s)
     s.set_defaults(func=_cmd_serve)
+
+    from moeserve.serving.router import LOG_LEVELS, POLICIES
+
+    r = sub.add_parser(
+        "router",
+        help="run sglang-router in front of prefill and decode instances (PD disaggregation)",
+        description="Wait for each instance's /server_info, check its --disaggregation-mode, "
+        "then run sglang-router --pd-disaggregation in front of them until a signal. "
+        "Arguments after -- go to sglang-router as they are (they override ours).",
+    )
+    r.add_argument("--prefill", nargs="+", action="extend", metavar="URL", required=True)
+    r.add_argument("--decode", nargs="+", action="extend", metavar="URL", required=True)
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    r.add_argument("--port", type=int, required=True)
+    r.add_argument(
+        "--prometheus-port", type=int, default=None, help="metrics port (default: --port + 1)"
+    )
+    r.add_argument("--policy", choices=POLICIES, default=None, help="both roles' policy")
+    r.add_argument(
+        "--prefill-policy", choices=POLICIES, default=None, help="(default: cache_aware)"
+    )
+    r.add_argument(
+        "--decode-policy",
+        choices=POLICIES,
+        default=None,
+        help="(default: power_of_two, round_robin for a single decode instance)",
+    )
+    r.add_argument(
+        "--request-timeout", type=int, default=1800, metavar="S", help="seconds per request"
+    )
+    r.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait for every instance's /server_info (default: 600)",
+    )
+    r.add_argument("--log-level", default="info", choices=tuple(LOG_LEVELS))
+    r.add_argument("router_args", nargs="*", metavar="-- EXTRA", help="passed to sglang-router")
+    r.set_defaults(func=_cmd_router)
 
     b = sub.add_parser("bench", help="benchmarks against a running server")
     from moeserve.bench.serving import add_serving_parser

@@ -1,0 +1,53 @@
+"""``serving/supervisor``: a child that ignores our stop signal is killed after the wait, or
+at once at a second signal; every path reaps it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from moeserve.serving.supervisor import StopFlag, spawn, supervise, terminate
+
+# a child that ignores SIGTERM and says so on stdout once it does
+_STUBBORN = [
+    sys.executable,
+    "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', "
+    "flush=True); time.sleep(60)",
+]
+
+
+def _stubborn() -> subprocess.Popen:
+    child = subprocess.Popen(_STUBBORN, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
+def test_a_child_that_ignores_the_signal_is_killed_after_the_wait():
+    child = _stubborn()
+    stop = StopFlag()
+    stop.signum, stop.count = signal.SIGTERM, 1
+    t0 = time.monotonic()
+    assert supervise(child, stop, stop_wait_s=0.5) == 128 + signal.SIGKILL
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert child.returncode == -signal.SIGKILL  # reaped
+
+
+def test_a_second_signal_kills_at_once():
+    child = _stubborn()
+    stop = StopFlag()
+    stop.signum, stop.count = signal.SIGINT, 2
+    t0 = time.monotonic()
+    assert supervise(child, stop, stop_wait_s=60) == 128 + signal.SIGKILL
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_child_that_exits_gives_its_code_and_terminate_reaps():
+    child = spawn([sys.executable, "-c", "raise SystemExit(3)"])
+    assert supervise(child, StopFlag(), stop_wait_s=1) == 3
+    stubborn = _stubborn()
+    terminate(stubborn, stop_wait_s=0.3)
+    assert stubborn.returncode == -signal.SIGKILL
+    assert not StopFlag().sleep(0.05)
