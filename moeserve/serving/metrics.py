@@ -16,7 +16,12 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from moeserve.serving.messages import STATS_INTERVAL_S
@@ -65,6 +70,7 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(f"moeserve:{metric}", doc, labels=["model_name"])
             c.add_metric([name], st[metric])
             yield c
+        yield from _disaggregation_metrics(name, st.get("disaggregation"), st.get("num_parked", 0))
         if st.get("eplb"):
             yield from _eplb_metrics(name, st["eplb"])
         if st.get("spec_decode_num_verify_steps"):
@@ -123,6 +129,51 @@ def _snapshot_metrics(name: str, seq: int, age_s: float) -> Iterator[Metric]:
     )
     published.add_metric([name], seq)
     yield published
+
+
+def _disaggregation_metrics(name: str, pd: dict | None, num_parked: int) -> Iterator[Metric]:
+    """This instance's prefill/decode role (``null``: colocated) and, in a role, its KV
+    transfers (``disagg/connector.TransferStats``): on a prefill instance each batch from its
+    start to its completion, on a decode instance each request from asking for its KV to
+    having it (the prefill side's queue and compute included). With the per-instance
+    ``request_queue_time_seconds``, that is the time a request spends in each stage."""
+    role = GaugeMetricFamily(
+        "moeserve:disaggregation_role",
+        "1 for this instance's prefill/decode role (null: colocated).",
+        labels=["model_name", "role"],
+    )
+    role.add_metric([name, pd["role"] if pd else "null"], 1)
+    yield role
+    if not pd:
+        return
+    parked = GaugeMetricFamily(
+        "moeserve:num_requests_transferring",
+        "Requests whose KV is moving between instances (holding blocks, not stepping).",
+        labels=["model_name"],
+    )
+    parked.add_metric([name], num_parked)
+    yield parked
+    for metric, doc, key in (
+        ("kv_transfers", "KV transfers completed.", "transfers"),
+        ("kv_transfer_failures", "KV transfers failed or timed out.", "failures"),
+        ("kv_transfer_bytes", "KV-cache bytes transferred.", "bytes"),
+        ("kv_transfer_tokens", "Prompt tokens whose KV was transferred.", "tokens"),
+    ):
+        c = CounterMetricFamily(f"moeserve:{metric}", doc, labels=["model_name"])
+        c.add_metric([name], pd[key])
+        yield c
+    h = HistogramMetricFamily(
+        "moeserve:kv_transfer_seconds",
+        "Prefill: a transfer batch's start to its completion. Decode: asking for a "
+        "request's KV to having it.",
+        labels=["model_name"],
+    )
+    cumulative, buckets = 0, []
+    for le, n in zip((*pd["buckets"], float("inf")), pd["bucket_counts"]):
+        cumulative += n
+        buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
+    h.add_metric([name], buckets, pd["seconds_sum"])
+    yield h
 
 
 def _spec_decode_metrics(name: str, st: dict) -> Iterator[Metric]:

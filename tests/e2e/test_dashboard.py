@@ -1,7 +1,8 @@
 """deploy/monitoring/ queries only what a live server exports: every metric in every PromQL
 expression of the Grafana dashboard (panel targets, template variables) and of the alert
 rules is a sample name in ``/metrics`` of one server whose traffic makes every series appear
-(EP 2 with redundant experts and live EPLB, MTP speculative decoding), and every label those
+(EP 2 with redundant experts and live EPLB, MTP speculative decoding) or of a prefill/decode
+pair after a request between them (the KV-transfer series), and every label those
 expressions match, group by or print is a label of one of their metrics; every series the
 server exports is on the dashboard. Where a Prometheus is installed, it scrapes that server
 and answers every query with series. The dashboard's JSON model holds what Grafana needs to
@@ -10,6 +11,7 @@ import it (unique ids, a grid without overlaps, every query on the ``datasource`
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -76,13 +78,53 @@ def full_server() -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="module")
-def exposed(full_server) -> dict[str, set[str]]:
-    """Sample name -> label names, of a scrape of the full server after the traffic."""
-    text = httpx.get(f"{full_server.url}/metrics", timeout=30).text
-    out: dict[str, set[str]] = {}
+def pd_pair() -> Iterator[tuple[RunningServer, RunningServer]]:
+    """A prefill and a decode instance (the KV-transfer series) after one request given to
+    both at once with the bootstrap fields a router adds."""
+    port = _free_port()
+    prefill = start_server(
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)
+    )
+    decode = None
+    try:
+        decode = start_server("--disaggregation-mode", "decode")
+        body = {
+            "prompt": "a prompt long enough to fill a block of the cache, and more",
+            "max_tokens": 4,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": port,
+            "bootstrap_room": 7,
+        }
+
+        async def both() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                rs = await asyncio.gather(
+                    *(c.post(f"{s.url}/v1/completions", json=body) for s in (prefill, decode))
+                )
+            return [r.status_code for r in rs]
+
+        assert asyncio.run(both()) == [200, 200]
+        yield prefill, decode
+    finally:
+        prefill.stop_cleanly()
+        if decode is not None:
+            decode.stop_cleanly()
+
+
+def _scrape(url: str, out: dict[str, set[str]]) -> None:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out.setdefault(s.name, set()).update(s.labels)
+
+
+@pytest.fixture(scope="module")
+def exposed(full_server, pd_pair) -> dict[str, set[str]]:
+    """Sample name -> label names, of a scrape of the full server after the traffic and of
+    the prefill/decode pair."""
+    out: dict[str, set[str]] = {}
+    for srv in (full_server, *pd_pair):
+        _scrape(srv.url, out)
     return out
 
 
@@ -137,16 +179,17 @@ def _until(what: str, check, timeout: float = 30.0):
 
 
 @pytest.fixture()
-def prometheus(full_server, tmp_path) -> Iterator[str]:
-    """Debian's ``prometheus`` (installed when missing and root, else skipped):
-    one scraping the full server every second, with the alert rules loaded. Yields its URL."""
+def prometheus(full_server, pd_pair, tmp_path) -> Iterator[str]:
+    """Debian's ``prometheus`` (installed when missing and root, else skipped): one
+    scraping the full server and the prefill/decode pair every second, with the alert rules
+    loaded. Yields its URL."""
     debian.ensure_installed(("prometheus",), ("prometheus",))
     binary = shutil.which("prometheus")
-    target = full_server.url.removeprefix("http://")
+    targets = [s.url.removeprefix("http://") for s in (full_server, *pd_pair)]
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(ALERTS)],
-        "scrape_configs": [{"job_name": "moeserve", "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": [{"job_name": "moeserve", "static_configs": [{"targets": targets}]}],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     address = f"127.0.0.1:{_free_port()}"
@@ -166,7 +209,21 @@ def prometheus(full_server, tmp_path) -> Iterator[str]:
             proc.wait(30)
 
 
-def test_a_prometheus_scraping_the_server_answers_every_query(full_server, prometheus):
+def _pd_traffic(pair: tuple[RunningServer, RunningServer], room: int) -> None:
+    """One request given to the prefill and the decode instance at once, as a router does."""
+    info = httpx.get(f"{pair[0].url}/server_info", timeout=10).json()
+    port = info["disaggregation_bootstrap_port"]
+    body = {"prompt": f"traffic {room} " * 8, "max_tokens": 4, "bootstrap_host": "127.0.0.1"}
+    body |= {"bootstrap_port": port, "bootstrap_room": room}
+
+    async def both() -> None:
+        async with httpx.AsyncClient(timeout=60) as c:
+            await asyncio.gather(*(c.post(f"{s.url}/v1/completions", json=body) for s in pair))
+
+    asyncio.run(both())
+
+
+def test_a_prometheus_scraping_the_server_answers_every_query(full_server, pd_pair, prometheus):
     """After 15 s of requests, every dashboard query, filled in as Grafana sends it, returns
     series (no error, and no empty answer: a matching or a grouping that cannot hold shows
     here, which a reading of the names cannot), and every alert rule evaluates cleanly."""
@@ -177,8 +234,11 @@ def test_a_prometheus_scraping_the_server_answers_every_query(full_server, prome
         return r["data"]["result"]
 
     t0 = time.monotonic()
+    room = 1000
     while time.monotonic() - t0 < 15:  # longer than the rate interval below
         _traffic(full_server.url)
+        room += 1
+        _pd_traffic(pd_pair, room)
     name = "moeserve:prompt_tokens_total"
     sent = _scrape_value(full_server.url, name)
     _until(
@@ -188,7 +248,7 @@ def test_a_prometheus_scraping_the_server_answers_every_query(full_server, prome
     dash, rules = load()
     values = {
         "model_name": query(name)[0]["metric"]["model_name"],
-        "instance": full_server.url.removeprefix("http://"),
+        "instance": "|".join(s.url.removeprefix("http://") for s in (full_server, *pd_pair)),
         "layer": min(r["metric"]["layer"] for r in query("moeserve:expert_tokens_total")),
     }
     empty = [
