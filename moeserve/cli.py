@@ -374,31 +374,7 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate text for one prompt, streamed")
-    _add_engine_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
-    g.add_argument(
-        "--profile",
-        metavar="DIR",
-        default=None,
-        help="trace the generation with torch.profiler into DIR (trace.json for Perfetto, "
-        "top_ops.txt) and print the top operations; under spawned ranks, rank 0 only",
-    )
-    g.set_defaults(func=_cmd_generate)
-
+def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
@@ -442,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_disaggregation_args(s)
     s.set_defaults(func=_cmd_serve)
 
+
+def _add_router_parser(sub) -> None:
     from moeserve.serving.router import LOG_LEVELS, POLICIES
 
     r = sub.add_parser(
@@ -481,6 +459,36 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-level", default="info", choices=tuple(LOG_LEVELS))
     r.add_argument("router_args", nargs="*", metavar="-- EXTRA", help="passed to sglang-router")
     r.set_defaults(func=_cmd_router)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed")
+    _add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    g.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="trace the generation with torch.profiler into DIR (trace.json for Perfetto, "
+        "top_ops.txt) and print the top operations; under spawned ranks, rank 0 only",
+    )
+    g.set_defaults(func=_cmd_generate)
+
+    _add_serve_parser(sub)
+
+    _add_router_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks against a running server")
     from moeserve.bench.serving import add_serving_parser

@@ -203,11 +203,10 @@ class EngineConfig:
                     "speculative decoding with prefill/decode disaggregation is not supported "
                     "yet: drop --speculative-num-tokens or --disaggregation-mode"
                 )
-            if self.parallel_dims.world_size > 1:
+            if self.pipeline_parallel_size > 1:
                 raise ValueError(
-                    "prefill/decode disaggregation runs one process per instance for now: "
-                    "drop the parallel layout flags (--tp/--dp/--pp/--ep) or "
-                    "--disaggregation-mode"
+                    "prefill/decode disaggregation does not support pipeline parallelism yet: "
+                    "drop --pp or --disaggregation-mode"
                 )
 
     @property

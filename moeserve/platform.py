@@ -9,6 +9,10 @@ from functools import lru_cache
 
 import torch
 
+# the CPUs a process could run on before it was pinned to its rank's (launch/numa.py), as
+# comma-separated ids: for threads that must not share the rank's cores with its compute
+UNPINNED_CPUS_ENV = "MOESERVE_UNPINNED_CPUS"
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

@@ -1,17 +1,21 @@
-"""What both ends of prefill/decode disaggregation share: the pool's layout, the transfer
-engine, the rule for which requests move their KV, and the counters.
+"""What both roles of prefill/decode disaggregation share: the rule for which requests move
+their KV, the counters, the pool's layout, the control's base, and the one-process glue.
 
-An engine in ``prefill`` or ``decode`` mode holds one connector (``factory.make_connector``) and
-calls it around each step (``engine/engine.py``)::
+An instance has one control (``prefill.PrefillControl`` or ``decode.DecodeControl``: the
+bootstrap protocol, per room) and one :class:`~moeserve.disagg.rank.KVRank` per rank that
+holds a KV pool (the transfer engine, the writes). One process runs both through
+:class:`LocalConnector`, around each step (``engine/engine.py``)::
 
-    connector.poll()            messages, finished transfers, timeouts -> the scheduler
+    connector.poll()            events -> control -> commands applied here: messages,
+                                finished transfers, timeouts reach the scheduler
     batch = scheduler.schedule()
     connector.poll()            what the schedule parked (decode: ask for the KV now, so the
-                                prefill side can write while this instance computes)
+                                prefill side writes while this instance computes)
     ... the step ...
     connector.poll()            what the step parked (prefill: start writing at once)
 
-``poll`` returns the sequences it finished (sent, failed), for the engine's outputs.
+An engine group runs the control on world rank 0 and carries commands and events on its step
+messages (``launch/engine_group.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ from pathlib import Path
 from moeserve.config import DisaggregationOptions
 from moeserve.core import SamplingParams, Sequence
 from moeserve.disagg.layout import GQA, MLA, PoolLayout
-from moeserve.disagg.mooncake import MooncakeTransport
-from moeserve.engine.scheduler import Scheduler
+from moeserve.disagg.rank import KVRank
 from moeserve.kvcache.pool import KVCachePool
 
 logger = logging.getLogger(__name__)
@@ -35,6 +38,8 @@ logger = logging.getLogger(__name__)
 # how long the blocks of a transfer that failed without the other side's word stay out of
 # use, in case a write already on the wire still lands in them
 LATE_WRITE_GRACE_S = 2.0
+# upper bounds (seconds) of the transfer-latency histogram's buckets
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def moves_kv(prompt_ids: list[int], params: SamplingParams) -> bool:
@@ -48,10 +53,6 @@ def moves_kv(prompt_ids: list[int], params: SamplingParams) -> bool:
         and params.prompt_logprobs is None
         and params.n == 1
     )
-
-
-# upper bounds (seconds) of the transfer-latency histogram's buckets
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
@@ -88,54 +89,20 @@ class TransferStats:
         }
 
 
-class Connector:
-    """The parts both roles share; :class:`PrefillConnector` and :class:`DecodeConnector`
-    add the protocol."""
+@dataclass(frozen=True)
+class RankInfo:
+    """A rank that holds a KV pool, as the control sees it: its DP replica, its place in the
+    replica's tensor-parallel group, and what :meth:`KVRank.describe` said."""
 
-    role = "null"
+    rank: int
+    replica: int
+    tp_rank: int
+    session: str
+    layout: dict
 
-    def __init__(
-        self,
-        options: DisaggregationOptions,
-        scheduler: Scheduler,
-        pool: KVCachePool,
-        model_dir: str,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.options = options
-        self.scheduler = scheduler
-        self.clock = clock
-        self.timeout_s = options.transfer_timeout_s
-        self.layout = pool_layout(pool)
-        self.model_hash = hashlib.sha256(Path(model_dir, "config.json").read_bytes()).hexdigest()
-        self.transport = MooncakeTransport(options.host, options.ib_device)
-        self.transport.register(self.layout.layer_addrs, self.layout.pool_bytes)
-        self.stats = TransferStats()
-
-    def on_add(self, seq: Sequence) -> None:
-        """A sequence with a role was queued."""
-
-    def poll(self) -> list[Sequence]:
-        raise NotImplementedError
-
-    def has_pending(self) -> bool:
-        raise NotImplementedError
-
-    def wait(self, timeout_s: float) -> None:
-        """Sleep until a bootstrap message may have come, at most ``timeout_s``."""
-        time.sleep(timeout_s)
-
-    def close(self) -> None:
-        self.transport.close()
-
-    def info(self) -> dict:
-        """What ``/server_info`` says of this instance's role."""
-        return {
-            "disaggregation_mode": self.role,
-            "disaggregation_transfer_backend": "mooncake",
-            "disaggregation_protocol": self.transport.protocol,
-            "disaggregation_session": self.transport.session_id,
-        }
+    @property
+    def target(self) -> dict:
+        return {"session": self.session, "layout": self.layout}
 
 
 def pool_layout(pool: KVCachePool, head_start: int = 0, total_heads: int = 0) -> PoolLayout:
@@ -146,3 +113,98 @@ def pool_layout(pool: KVCachePool, head_start: int = 0, total_heads: int = 0) ->
     if kind == GQA and not total_heads:
         total_heads = shape[1]
     return PoolLayout.of_pool(pool.caches, pool.block_size, kind, head_start, total_heads)
+
+
+class Control:
+    """The protocol's state on one instance; :class:`~moeserve.disagg.prefill.PrefillControl`
+    and :class:`~moeserve.disagg.decode.DecodeControl` add each role's part."""
+
+    role = "null"
+
+    def __init__(
+        self,
+        options: DisaggregationOptions,
+        ranks: list[RankInfo],
+        model_dir: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.options = options
+        self.clock = clock
+        self.timeout_s = options.transfer_timeout_s
+        self.model_hash = hashlib.sha256(Path(model_dir, "config.json").read_bytes()).hexdigest()
+        self.stats = TransferStats()
+        self.ranks = ranks
+        self.replicas: dict[int, list[RankInfo]] = {}
+        for info in sorted(ranks, key=lambda r: (r.replica, r.tp_rank)):
+            self.replicas.setdefault(info.replica, []).append(info)
+
+    def on_add(self, request_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
+        """A request with bootstrap fields whose KV moves was queued (``moves_kv``)."""
+
+    def poll(self, events: list[dict]) -> dict:
+        """Every rank's events (leaders' parked and quarantined sequences count) -> the
+        commands every rank applies next (``rank.py``)."""
+        raise NotImplementedError
+
+    def has_pending(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep until a bootstrap message may have come, at most ``timeout_s``."""
+        time.sleep(timeout_s)
+
+    def close(self) -> None:
+        """Close the bootstrap sockets."""
+
+    def info(self) -> dict:
+        """What ``/server_info`` says of this instance's role."""
+        return {"disaggregation_mode": self.role, "disaggregation_transfer_backend": "mooncake"}
+
+    def leaders(self, events: list[dict], key: str) -> list[tuple[RankInfo, object]]:
+        """The ``key`` entries of the replica leaders' events, each with its rank (a
+        replica's other ranks park the same sequences in the same step)."""
+        return [
+            (info, entry)
+            for info, ev in zip(self.ranks, events)
+            if info.tp_rank == 0
+            for entry in ev.get(key, ())
+        ]
+
+    def on_abort(self, request_id: str) -> None:
+        """The request was aborted on this instance (its client left)."""
+
+
+class LocalConnector:
+    """One process's control and rank, glued: what :class:`~moeserve.engine.engine.LLMEngine`
+    calls (the module docstring)."""
+
+    def __init__(self, control: Control, rank: KVRank) -> None:
+        self.control = control
+        self.rank = rank
+        self.role = control.role
+
+    @property
+    def stats(self) -> TransferStats:
+        return self.control.stats
+
+    def on_add(self, request_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
+        self.control.on_add(request_id, params, prompt_ids)
+
+    def on_abort(self, request_id: str) -> None:
+        self.control.on_abort(request_id)
+
+    def poll(self) -> list[Sequence]:
+        return self.rank.apply(self.control.poll([self.rank.events()]))
+
+    def has_pending(self) -> bool:
+        return self.control.has_pending() or self.rank.sending
+
+    def wait(self, timeout_s: float) -> None:
+        self.control.wait(timeout_s)
+
+    def info(self) -> dict:
+        return self.control.info()
+
+    def close(self) -> None:
+        self.control.close()
+        self.rank.close()

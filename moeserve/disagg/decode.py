@@ -1,11 +1,13 @@
-"""The decode instance's side: take blocks, ask the prefill instance to fill them, then decode.
+"""The decode instance's control: take blocks, ask the prefill instance to fill them, decode.
 
 A request with bootstrap fields becomes a ``KVRole.DECODE`` sequence over the whole prompt.
-The scheduler admits it FCFS with blocks for every prompt token but the last and parks it;
-right after that schedule this side sends the prefill instance a ``want`` (its pool's layout,
-the block ids, its transfer-engine session), so the prefill side can write as soon as its
-KV exists. On ``done`` the sequence runs its last prompt token (the step that samples the
-first output token, as after a prefix-cache hit) and decodes as any other.
+The schedulers of its replica admit it FCFS with blocks for every prompt token but the last
+and park it; this side then sends the prefill instance a ``want``: every rank of the replica
+as a target (its session and pool layout; under tensor parallelism each rank needs the
+latent, or its own KV heads), the block ids (the same on every rank of a replica), the
+checkpoint's and the prompt's digests. On ``done`` every rank of the replica runs the last
+prompt token (the step that samples the first output token, as after a prefix-cache hit) and
+decodes it as any other.
 
 Nothing waits forever: the prefill side renews each room it still works on every second
 (``waiting``); a room not renewed within the transfer timeout fails, and so does every room
@@ -24,31 +26,53 @@ from dataclasses import dataclass
 
 import zmq
 
-from moeserve.core import FinishReason, Sequence
+from moeserve.core import SamplingParams
 from moeserve.disagg import bootstrap as b
-from moeserve.disagg.connector import LATE_WRITE_GRACE_S, Connector
+from moeserve.disagg.connector import LATE_WRITE_GRACE_S, Control
+from moeserve.disagg.layout import PoolLayout, transfer_bytes
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
+class _Request:
+    room: int
+    peer: b.Peer
+    digest: str  # of the prompt less its last token
+    num_tokens: int
+
+
+@dataclass
 class _Pending:
-    seq: Sequence
+    request_id: str
     peer: b.Peer
     deadline: float
     asked: float
+    num_bytes: int
+    num_tokens: int
 
 
-class DecodeConnector(Connector):
+class DecodeControl(Control):
     role = "decode"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.ctx = zmq.Context()
         self.clients = b.BootstrapClients(self.ctx)
+        self.requests: dict[str, _Request] = {}  # request id -> its room, until it is parked
         self.pending: dict[int, _Pending] = {}  # room -> asked for, not yet arrived
         self.cancelling: dict[int, _Pending] = {}  # room -> dropped here, awaiting the word
-        self.late: list[tuple[Sequence, float]] = []  # quarantined blocks and when to free
+        self.late: list[tuple[str, float]] = []  # quarantined request ids, when to free them
+        self._cmds: dict = {}
+
+    def on_add(self, request_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
+        kv = params.kv_transfer
+        self.requests[request_id] = _Request(
+            kv.room, (kv.host, kv.port), b.prompt_digest(prompt_ids[:-1]), len(prompt_ids) - 1
+        )
+
+    def on_abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)  # not parked yet: nothing was asked
 
     def has_pending(self) -> bool:
         return bool(self.pending or self.cancelling or self.late)
@@ -63,52 +87,58 @@ class DecodeConnector(Connector):
     def close(self) -> None:
         self.clients.close()
         self.ctx.term()
-        super().close()
 
-    def poll(self) -> list[Sequence]:
+    def _cmd(self, name: str, item) -> None:
+        self._cmds.setdefault(name, []).append(item)
+
+    def poll(self, events: list[dict]) -> dict:
         now = self.clock()
-        finished: list[Sequence] = []
-        sched = self.scheduler
-        for seq in sched.newly_parked:
-            self._ask(seq, now)
-        sched.newly_parked.clear()
-        for seq in sched.newly_quarantined:  # the client left while the KV was on its way
-            self._cancel(seq, now)
-        sched.newly_quarantined.clear()
+        self._cmds = {}
+        for info, parked in self.leaders(events, "parked"):
+            self._ask(parked, info.replica, now)
+        for _, request_id in self.leaders(events, "quarantined"):
+            self._cancel(request_id, now)
         for peer, msg in self.clients.receive():
-            self._on_message(peer, msg, now, finished)
+            self._on_message(peer, msg, now)
         for peer in self.clients.disconnected():
-            self._on_disconnect(peer, now, finished)
-        self._expire(now, finished)
-        return finished
+            self._on_disconnect(peer, now)
+        self._expire(now)
+        return self._cmds
 
-    def _ask(self, seq: Sequence, now: float) -> None:
-        kv = seq.params.kv_transfer
-        peer = (kv.host, kv.port)
+    def _ask(self, parked: dict, replica: int, now: float) -> None:
+        req = self.requests.pop(parked["id"], None)
+        if req is None:
+            return
+        targets = [r.target for r in self.replicas[replica]]
         want = {
             "op": b.WANT,
-            "room": kv.room,
-            "session": self.transport.session_id,
-            "layout": self.layout.to_json(),
-            "blocks": seq.block_table,
-            "num_tokens": seq.num_prompt_tokens - 1,
+            "room": req.room,
+            "targets": targets,
+            "blocks": parked["blocks"],
+            "num_tokens": req.num_tokens,
             "model": self.model_hash,
-            "prompt": b.prompt_digest(seq.prompt_token_ids[:-1]),
+            "prompt": req.digest,
         }
-        self.clients.send(peer, want)
-        self.pending[kv.room] = _Pending(seq, peer, now + self.timeout_s, now)
+        self.clients.send(req.peer, want)
+        num_bytes = 0
+        for t in targets:
+            layout = PoolLayout.from_json(t["layout"])
+            num_bytes += transfer_bytes(layout, layout, req.num_tokens)
+        self.pending[req.room] = _Pending(
+            parked["id"], req.peer, now + self.timeout_s, now, num_bytes, req.num_tokens
+        )
 
-    def _cancel(self, seq: Sequence, now: float) -> None:
-        room = seq.params.kv_transfer.room
-        p = self.pending.pop(room, None)
-        if p is None:
-            self.scheduler.free_quarantined(seq)
+    def _cancel(self, request_id: str, now: float) -> None:
+        room = next((r for r, p in self.pending.items() if p.request_id == request_id), None)
+        if room is None:
+            self._cmd("free", request_id)
             return
+        p = self.pending.pop(room)
         self.clients.send(p.peer, {"op": b.CANCEL, "room": room})
         p.deadline = now + self.timeout_s
         self.cancelling[room] = p
 
-    def _on_message(self, peer: b.Peer, msg: dict, now: float, finished: list) -> None:
+    def _on_message(self, peer: b.Peer, msg: dict, now: float) -> None:
         op = msg["op"]
         if op == b.WAITING:
             for room in msg.get("rooms", ()):
@@ -119,50 +149,42 @@ class DecodeConnector(Connector):
         room = msg.get("room")
         c = self.cancelling.pop(room, None)
         if c is not None:  # done, failed or cancelled: no write of it will come now
-            self.scheduler.free_quarantined(c.seq)
+            self._cmd("free", c.request_id)
             return
         p = self.pending.get(room)
         if p is None or p.peer != peer:
             return  # a room that already ended here
         del self.pending[room]
         if op == b.DONE:
-            n = p.seq.num_prompt_tokens - 1
-            num_bytes = n * self.layout.slot_bytes * len(self.layout.layer_addrs)
-            self.stats.observe(now - p.asked, num_bytes, n)
-            self.scheduler.kv_arrived(p.seq)
+            self.stats.observe(now - p.asked, p.num_bytes, p.num_tokens)
+            self._cmd("arrived", p.request_id)
         elif op == b.FAILED:
             reason = str(msg.get("reason", "the prefill instance failed the transfer"))
-            self._fail(p.seq, reason, finished, late=bool(msg.get("late_writes")), now=now)
+            self._fail(p, reason, now, late=bool(msg.get("late_writes")))
         else:
             logger.warning("bootstrap: unexpected %r from %s:%d", op, *peer)
 
-    def _on_disconnect(self, peer: b.Peer, now: float, finished: list) -> None:
+    def _on_disconnect(self, peer: b.Peer, now: float) -> None:
         reason = f"the prefill instance at {peer[0]}:{peer[1]} disconnected"
         for room, p in list(self.pending.items()):
             if p.peer == peer:
                 del self.pending[room]
-                self._fail(p.seq, reason, finished, late=True, now=now, grace=LATE_WRITE_GRACE_S)
+                self._fail(p, reason, now, late=True, grace=LATE_WRITE_GRACE_S)
         for room, c in list(self.cancelling.items()):
             if c.peer == peer:
                 del self.cancelling[room]
-                self.late.append((c.seq, now + LATE_WRITE_GRACE_S))
+                self.late.append((c.request_id, now + LATE_WRITE_GRACE_S))
 
     def _fail(
-        self,
-        seq: Sequence,
-        reason: str,
-        finished: list,
-        late: bool,
-        now: float,
-        grace: float | None = None,
+        self, p: _Pending, reason: str, now: float, late: bool, grace: float | None = None
     ) -> None:
         self.stats.failures += 1
-        logger.warning("decode room %d: %s", seq.params.kv_transfer.room, reason)
-        finished.append(self.scheduler.release(seq, FinishReason.ABORT, reason, keep_blocks=late))
+        logger.warning("decode request %s: %s", p.request_id, reason)
+        self._cmd("release", [p.request_id, "abort", reason, late])
         if late:
-            self.late.append((seq, now + (self.timeout_s if grace is None else grace)))
+            self.late.append((p.request_id, now + (self.timeout_s if grace is None else grace)))
 
-    def _expire(self, now: float, finished: list) -> None:
+    def _expire(self, now: float) -> None:
         for room, p in list(self.pending.items()):
             if now > p.deadline:
                 del self.pending[room]
@@ -170,12 +192,11 @@ class DecodeConnector(Connector):
                     f"no KV from the prefill instance at {p.peer[0]}:{p.peer[1]} within "
                     f"{self.timeout_s:g}s"
                 )
-                self._fail(p.seq, reason, finished, late=True, now=now)
+                self._fail(p, reason, now, late=True)
         for room, c in list(self.cancelling.items()):
             if now > c.deadline:
                 del self.cancelling[room]
-                self.scheduler.free_quarantined(c.seq)
-        due = [(s, t) for s, t in self.late if now >= t]
-        for seq, _ in due:
-            self.scheduler.free_quarantined(seq)
-        self.late = [(s, t) for s, t in self.late if now < t]
+                self._cmd("free", c.request_id)
+        for request_id, _ in [x for x in self.late if now >= x[1]]:
+            self._cmd("free", request_id)
+        self.late = [x for x in self.late if now < x[1]]

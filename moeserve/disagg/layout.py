@@ -168,6 +168,22 @@ def check_compatible(src: PoolLayout, dst: PoolLayout) -> None:
         raise ValueError("the prefill and decode KV pools differ: " + "; ".join(problems))
 
 
+def shared_heads(src: PoolLayout, dst: PoolLayout) -> tuple[int, int]:
+    """GQA: the KV heads ``[lo, hi)`` both pools hold (``lo >= hi``: none)."""
+    lo = max(src.head_start, dst.head_start)
+    hi = min(src.head_start + src.num_heads, dst.head_start + dst.num_heads)
+    return lo, hi
+
+
+def transfer_bytes(src: PoolLayout, dst: PoolLayout, num_tokens: int) -> int:
+    """Bytes :func:`plan_writes` moves from ``src`` into ``dst`` for ``num_tokens`` tokens."""
+    layers = len(src.layer_addrs)
+    if src.kind == MLA:
+        return num_tokens * src.slot_bytes * layers
+    lo, hi = shared_heads(src, dst)
+    return max(0, hi - lo) * src.head_bytes * 2 * num_tokens * layers
+
+
 def _slot(table: Sequence[int], block_size: int, t: int) -> int:
     return table[t // block_size] * block_size + t % block_size
 
@@ -235,8 +251,7 @@ def plan_writes(
                 dsts.append(d_base + d0 * sb)
                 lengths.append(n * sb)
         return Writes(tuple(srcs), tuple(dsts), tuple(lengths))
-    lo = max(src.head_start, dst.head_start)
-    hi = min(src.head_start + src.num_heads, dst.head_start + dst.num_heads)
+    lo, hi = shared_heads(src, dst)
     if lo >= hi:
         return Writes((), (), ())  # this source holds none of the destination's heads
     hb = src.head_bytes
@@ -271,8 +286,7 @@ def copy_reference(
         if src.kind == MLA:
             d_cache[d_slots] = s_cache[s_slots]
             continue
-        lo = max(src.head_start, dst.head_start)
-        hi = min(src.head_start + src.num_heads, dst.head_start + dst.num_heads)
+        lo, hi = shared_heads(src, dst)
         if lo < hi:
             d_cache[d_slots, :, lo - dst.head_start : hi - dst.head_start] = s_cache[
                 s_slots, :, lo - src.head_start : hi - src.head_start

@@ -1,33 +1,47 @@
-"""The prefill instance's side: compute a prompt's KV, write it into the decode instance's
-blocks, free the blocks, answer.
+"""The prefill instance's control: compute a prompt's KV, have it written into the decode
+instance's blocks, free the blocks, answer.
 
 A request with bootstrap fields becomes a ``KVRole.PREFILL`` sequence over its prompt less
 the last token (the decode instance runs that token itself and samples the first output, so
 every output token comes from one place). Per room (the request's name on both sides) this
-side pairs two things that arrive in either order: its own sequence, parked by the scheduler
-once its prompt is computed, and the decode instance's ``want`` (where to write). With both,
-one transfer-engine batch writes every layer's runs of slots (``layout.plan_writes``); when it
-completes, ``done`` goes to the decode instance and the sequence finishes (``length``, no
+side pairs two things that arrive in either order: its own sequence, parked by the schedulers
+of its replica once its prompt is computed, and the decode instance's ``want`` (where to
+write: every rank of the decode replica that holds the request, its blocks, its session).
+With both, a ``send`` command has the replica's ranks write (``rank.py``): MLA's latent is the
+same on every tensor-parallel rank, so the decode ranks are shared out over the prefill
+ranks; GQA's heads come from whichever prefill rank holds them. When every writer's batch has
+completed, ``done`` goes to the decode instance and the sequence finishes (``length``, no
 tokens), which ends its HTTP request. Whatever does not arrive within the transfer timeout
-(the want, the request, the batch's completion) fails the room on both sides.
+(the want, the request, the batches' completion) fails the room on both sides.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
-from moeserve.core import FinishReason, Sequence, SequenceStatus
+from moeserve.core import SamplingParams
 from moeserve.disagg import bootstrap as b
-from moeserve.disagg.connector import Connector
-from moeserve.disagg.layout import PoolLayout, plan_writes
+from moeserve.disagg.connector import Control, RankInfo
+from moeserve.disagg.layout import MLA, PoolLayout, check_compatible, shared_heads, transfer_bytes
 from moeserve.disagg.mooncake import DONE, FAILED
 
 logger = logging.getLogger(__name__)
 
 RENEW_INTERVAL_S = 1.0  # how often the decode side hears that its rooms are still coming
+
+
+@dataclass
+class _Room:
+    request_id: str
+    digest: str  # of the prompt less its last token
+    num_tokens: int
+    ready_at: float | None = None  # when its replica parked it (its prompt is computed)
+    replica: int = 0
+    blocks: list[int] = field(default_factory=list)
+    aborted: bool = False
 
 
 @dataclass
@@ -39,39 +53,46 @@ class _Want:
 
 @dataclass
 class _Transfer:
-    seq: Sequence
     want: _Want
-    batch: int
+    writers: set[int]  # ranks writing
     started: float
     num_bytes: int
-    abandoned: bool = False  # the request was aborted while the batch ran
+    results: dict[int, int] = field(default_factory=dict)  # rank -> DONE | FAILED
+    abandoned: bool = False  # the request was aborted while the batches ran
 
 
-class PrefillConnector(Connector):
+class PrefillControl(Control):
     role = "prefill"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.ctx = zmq.Context()
         self.server = b.BootstrapServer(self.ctx, self.options.host, self.options.bootstrap_port)
-        self.rooms: dict[int, Sequence] = {}  # room -> this side's sequence, until it ends
+        self.rooms: dict[int, _Room] = {}  # room -> this side's request, until it ends
+        self.room_of: dict[str, int] = {}  # request id -> room
         self.wants: dict[int, _Want] = {}
-        self.ready: dict[int, float] = {}  # room -> when its prompt finished computing
         self.transfers: dict[int, _Transfer] = {}
         self.cancelled: dict[int, float] = {}  # rooms the decode side dropped, and when
         self._last_renew = 0.0
+        self._cmds: dict = {}
 
     def info(self) -> dict:
         return {**super().info(), "disaggregation_bootstrap_port": self.options.bootstrap_port}
 
-    def on_add(self, seq: Sequence) -> None:
+    def on_add(self, request_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
         """Raises ValueError for a room in use, or one the decode side already dropped."""
-        room = seq.params.kv_transfer.room
+        room = params.kv_transfer.room
         if room in self.rooms:
             raise ValueError(f"bootstrap_room {room} is already in use on this prefill instance")
         if self.cancelled.pop(room, None) is not None:
             raise ValueError(f"the decode instance already dropped bootstrap_room {room}")
-        self.rooms[room] = seq
+        self.rooms[room] = _Room(request_id, b.prompt_digest(prompt_ids[:-1]), len(prompt_ids) - 1)
+        self.room_of[request_id] = room
+
+    def on_abort(self, request_id: str) -> None:
+        room = self.room_of.get(request_id)
+        if room is not None:
+            self.rooms[room].aborted = True
 
     def has_pending(self) -> bool:
         return bool(self.rooms or self.wants or self.transfers or self.cancelled)
@@ -82,33 +103,49 @@ class PrefillConnector(Connector):
     def close(self) -> None:
         self.server.close()
         self.ctx.term()
-        super().close()
 
     # -- the step's hook ------------------------------------------------------------------
 
-    def poll(self) -> list[Sequence]:
+    def poll(self, events: list[dict]) -> dict:
         now = self.clock()
-        finished: list[Sequence] = []
+        self._cmds = {}
         for ident, msg in self.server.receive():
-            self._on_message(ident, msg, now, finished)
-        sched = self.scheduler
-        for seq in sched.newly_parked:
-            self.ready[seq.params.kv_transfer.room] = now
-        sched.newly_parked.clear()
-        for seq in sched.newly_quarantined:  # aborted here while parked (the router left)
-            self._on_aborted(seq)
-        sched.newly_quarantined.clear()
-        for room in [r for r in self.ready if r in self.wants]:
-            self._start(room, now, finished)
-        self._check_transfers(now, finished)
-        self._expire(now, finished)
+            self._on_message(ident, msg, now)
+        for info, parked in self.leaders(events, "parked"):
+            r = self.rooms.get(parked["room"])
+            if r is not None and r.request_id == parked["id"]:
+                r.ready_at, r.replica, r.blocks = now, info.replica, parked["blocks"]
+        for info, ev in zip(self.ranks, events):
+            for room, status in ev.get("transfers", {}).items():
+                t = self.transfers.get(int(room))
+                if t is not None and info.rank in t.writers:
+                    t.results[info.rank] = status
+        self._drop_aborted()
+        for room in [r for r, x in self.rooms.items() if x.ready_at is not None]:
+            if room in self.wants and room not in self.transfers:
+                self._start(room, now)
+        self._check_transfers(now)
+        self._expire(now)
         if now - self._last_renew >= RENEW_INTERVAL_S:
             self._renew()
             self._last_renew = now
-        self._forget_finished()
-        return finished
+        return self._cmds
 
-    def _on_message(self, ident: bytes, msg: dict, now: float, finished: list) -> None:
+    def _cmd(self, name: str, item) -> None:
+        self._cmds.setdefault(name, []).append(item)
+
+    def _end(self, room: int, error: str | None) -> None:
+        """The room's request ends here: sent (``error`` None) or failed."""
+        r = self.rooms.pop(room)
+        self.room_of.pop(r.request_id, None)
+        if error is None:
+            self._cmd("release", [r.request_id, "length", None, False])
+        else:
+            self.stats.failures += 1
+            logger.warning("prefill room %d: %s", room, error)
+            self._cmd("fail", [r.request_id, error])
+
+    def _on_message(self, ident: bytes, msg: dict, now: float) -> None:
         op, room = msg["op"], msg.get("room")
         if not isinstance(room, int):
             logger.warning("bootstrap: a %r message without a room", op)
@@ -117,13 +154,12 @@ class PrefillConnector(Connector):
             problem = self._check_want(room, msg)
             if problem:
                 self.server.send(ident, {"op": b.FAILED, "room": room, "reason": problem})
-                seq = self.rooms.get(room)
-                if seq is not None and not seq.is_finished:
-                    self._fail(seq, problem, finished)
+                if room in self.rooms and room not in self.transfers:
+                    self._end(room, problem)
                 return
             self.wants[room] = _Want(ident, msg, now)
         elif op == b.CANCEL:
-            self._on_cancel(ident, room, now, finished)
+            self._on_cancel(ident, room, now)
         else:
             logger.warning("bootstrap: unexpected %r from a decode instance", op)
 
@@ -134,123 +170,164 @@ class PrefillConnector(Connector):
                 "the prefill and decode instances serve different checkpoints (config.json differs)"
             )
         try:
-            PoolLayout.from_json(msg["layout"])
+            targets = [PoolLayout.from_json(t["layout"]) for t in msg["targets"]]
+            [str(t["session"]) for t in msg["targets"]]
             int(msg["num_tokens"])
             [int(x) for x in msg["blocks"]]
-            str(msg["session"])
+            for t in targets:
+                check_compatible(PoolLayout.from_json(self.ranks[0].layout), t)
         except (KeyError, TypeError, ValueError) as e:
             return f"malformed want: {e}"
-        seq = self.rooms.get(room)
-        if seq is not None and msg.get("prompt") != b.prompt_digest(seq.prompt_token_ids):
+        if not targets:
+            return "malformed want: no target"
+        r = self.rooms.get(room)
+        if r is not None and msg.get("prompt") != r.digest:
             return "the prefill and decode instances tokenized the request differently"
+        if r is not None and int(msg["num_tokens"]) != r.num_tokens:
+            return (
+                f"the decode instance wants {msg['num_tokens']} tokens, this one has {r.num_tokens}"
+            )
         if room in self.wants or room in self.transfers:
             return f"bootstrap_room {room} was asked for twice"
         return None
 
-    def _on_cancel(self, ident: bytes, room: int, now: float, finished: list) -> None:
+    def _on_cancel(self, ident: bytes, room: int, now: float) -> None:
         transfer = self.transfers.get(room)
-        if transfer is not None:  # answered when its batch ends: no write may land after
+        if transfer is not None:  # answered when its batches end: no write may land after
             transfer.abandoned = True
             transfer.want.ident = ident
             return
         self.wants.pop(room, None)
-        seq = self.rooms.get(room)
-        if seq is not None and not seq.is_finished:
-            self._fail(seq, "the decode instance dropped the request", finished)
-        elif seq is None:
+        if room in self.rooms:
+            self._end(room, "the decode instance dropped the request")
+        else:
             self.cancelled[room] = now  # the request may still come: refuse it then
         self.server.send(ident, {"op": b.CANCELLED, "room": room})
 
-    def _on_aborted(self, seq: Sequence) -> None:
-        """This side's request was aborted while its blocks were parked."""
-        room = seq.params.kv_transfer.room
-        self.ready.pop(room, None)
-        transfer = self.transfers.get(room)
-        if transfer is not None:
-            transfer.abandoned = True  # its blocks are freed when the batch ends
-            return
-        self.scheduler.free_quarantined(seq)
-        want = self.wants.pop(room, None)
-        if want is not None:
-            reason = "the request was aborted on the prefill instance"
-            self.server.send(want.ident, {"op": b.FAILED, "room": room, "reason": reason})
+    def _drop_aborted(self) -> None:
+        """Requests aborted here (the router left): their parked blocks are freed once no
+        batch reads them, and the decode side hears of it."""
+        for room, r in list(self.rooms.items()):
+            if not r.aborted:
+                continue
+            transfer = self.transfers.get(room)
+            if transfer is not None:
+                transfer.abandoned = True
+                continue
+            del self.rooms[room]
+            self.room_of.pop(r.request_id, None)
+            if r.ready_at is not None:
+                self._cmd("free", r.request_id)
+            want = self.wants.pop(room, None)
+            if want is not None:
+                reason = "the request was aborted on the prefill instance"
+                self.server.send(want.ident, {"op": b.FAILED, "room": room, "reason": reason})
 
     # -- transfers --------------------------------------------------------------------------
 
-    def _start(self, room: int, now: float, finished: list) -> None:
-        seq = self.rooms[room]
+    def _start(self, room: int, now: float) -> None:
+        r = self.rooms[room]
         want = self.wants.pop(room)
-        del self.ready[room]
         msg = want.msg
         try:
-            writes = plan_writes(
-                self.layout,
-                PoolLayout.from_json(msg["layout"]),
-                seq.block_table,
-                msg["blocks"],
-                int(msg["num_tokens"]),
+            writers, num_bytes = self._assign(
+                self.replicas[r.replica], msg["targets"], r.num_tokens
             )
-            if int(msg["num_tokens"]) != seq.num_prompt_tokens:
-                raise ValueError(
-                    f"the decode instance wants {msg['num_tokens']} tokens, this side computed "
-                    f"{seq.num_prompt_tokens}"
-                )
-            batch = self.transport.submit(msg["session"], writes.srcs, writes.dsts, writes.lengths)
-        except (ValueError, RuntimeError) as e:
-            reason = f"the KV transfer could not start: {e}"
+        except ValueError as e:
+            reason = f"the KV transfer cannot be planned: {e}"
             self.server.send(want.ident, {"op": b.FAILED, "room": room, "reason": reason})
-            self._fail(seq, reason, finished)
+            self._end(room, reason)
             return
-        self.transfers[room] = _Transfer(seq, want, batch, now, writes.num_bytes)
+        self._cmd(
+            "send",
+            {
+                "id": r.request_id,
+                "room": room,
+                "blocks": [int(x) for x in msg["blocks"]],
+                "num_tokens": r.num_tokens,
+                "targets": msg["targets"],
+                "writers": {str(k): v for k, v in writers.items()},
+            },
+        )
+        self.transfers[room] = _Transfer(want, set(writers), now, num_bytes)
 
-    def _check_transfers(self, now: float, finished: list) -> None:
+    @staticmethod
+    def _assign(
+        sources: list[RankInfo], targets: list[dict], num_tokens: int
+    ) -> tuple[dict[int, list[int]], int]:
+        """Which source rank writes into which target (rank -> target indexes), and the
+        bytes all of it moves. MLA: the targets shared out over the sources in turn. GQA:
+        each target's heads from the first source that holds each of them."""
+        writers: dict[int, list[int]] = {}
+        total = 0
+        src_layouts = [PoolLayout.from_json(s.layout) for s in sources]
+        for i, t in enumerate(targets):
+            dst = PoolLayout.from_json(t["layout"])
+            if dst.kind == MLA:
+                k = i % len(sources)
+                writers.setdefault(sources[k].rank, []).append(i)
+                total += transfer_bytes(src_layouts[k], dst, num_tokens)
+                continue
+            covered: set[int] = set()
+            for s, src in zip(sources, src_layouts):
+                lo, hi = shared_heads(src, dst)
+                new = set(range(lo, hi)) - covered
+                if not new:
+                    continue
+                if len(new) != hi - lo:
+                    raise ValueError("prefill ranks hold overlapping, unequal head ranges")
+                covered |= new
+                writers.setdefault(s.rank, []).append(i)
+                total += transfer_bytes(src, dst, num_tokens)
+            missing = set(range(dst.head_start, dst.head_start + dst.num_heads)) - covered
+            if missing:
+                raise ValueError(f"no prefill rank holds KV heads {sorted(missing)}")
+        return writers, total
+
+    def _check_transfers(self, now: float) -> None:
         for room, t in list(self.transfers.items()):
-            status = self.transport.status(t.batch)
-            timed_out = status not in (DONE, FAILED) and now - t.started > self.timeout_s
-            if status not in (DONE, FAILED) and not timed_out:
+            failed = FAILED in t.results.values()
+            done = not failed and all(t.results.get(w) == DONE for w in t.writers)
+            timed_out = not (failed or done) and now - t.started > self.timeout_s
+            if not (failed or done or timed_out):
                 continue
             del self.transfers[room]
-            seq = t.seq
+            r = self.rooms.get(room)
             if t.abandoned:
                 self.server.send(t.want.ident, {"op": b.CANCELLED, "room": room})
-                self.scheduler.free_quarantined(seq)
+                if r is not None:
+                    del self.rooms[room]
+                    self.room_of.pop(r.request_id, None)
+                    if r.aborted:
+                        self._cmd("free", r.request_id)
+                    else:  # the decode side dropped it
+                        self._end_quietly(r, "the decode instance dropped the request")
                 continue
-            if status == DONE:
-                self.stats.observe(now - t.started, t.num_bytes, seq.num_prompt_tokens)
+            if done:
+                self.stats.observe(now - t.started, t.num_bytes, r.num_tokens)
                 self.server.send(t.want.ident, {"op": b.DONE, "room": room})
-                finished.append(self.scheduler.release(seq, FinishReason.LENGTH))
+                self._end(room, None)
                 continue
+            late = timed_out or len(t.results) < len(t.writers)
             reason = (
                 f"the KV transfer timed out after {self.timeout_s:g}s"
                 if timed_out
                 else "the KV transfer failed (the decode instance is unreachable or gone)"
             )
             self.server.send(
-                t.want.ident,
-                {"op": b.FAILED, "room": room, "reason": reason, "late_writes": timed_out},
+                t.want.ident, {"op": b.FAILED, "room": room, "reason": reason, "late_writes": late}
             )
-            self._fail(seq, reason, finished)
+            self._end(room, reason)
 
-    def _fail(self, seq: Sequence, reason: str, finished: list) -> None:
-        """End this side's request with an error (its HTTP answer is a 503)."""
-        self.stats.failures += 1
-        logger.warning("prefill room %d: %s", seq.params.kv_transfer.room, reason)
-        if seq.status is SequenceStatus.PARKED:
-            self.ready.pop(seq.params.kv_transfer.room, None)
-            finished.append(self.scheduler.release(seq, FinishReason.ABORT, reason))
-        elif not seq.is_finished:  # still queued or prefilling
-            self.scheduler.finish(seq, FinishReason.ABORT)
-            seq.error = reason
-            finished.append(seq)
+    def _end_quietly(self, r: _Room, reason: str) -> None:
+        self._cmd("fail", [r.request_id, reason])
 
-    def _expire(self, now: float, finished: list) -> None:
+    def _expire(self, now: float) -> None:
         limit = self.timeout_s
-        for room, since in list(self.ready.items()):
-            if now - since > limit:
-                self._fail(
-                    self.rooms[room],
-                    f"no decode instance asked for bootstrap_room {room} within {limit:g}s",
-                    finished,
+        for room, r in list(self.rooms.items()):
+            if r.ready_at is not None and room not in self.transfers and now - r.ready_at > limit:
+                self._end(
+                    room, f"no decode instance asked for bootstrap_room {room} within {limit:g}s"
                 )
         for room, want in list(self.wants.items()):
             if room not in self.rooms and now - want.since > limit:
@@ -271,9 +348,3 @@ class PrefillConnector(Connector):
             by_peer.setdefault(t.want.ident, []).append(room)
         for ident, rooms in by_peer.items():
             self.server.send(ident, {"op": b.WAITING, "rooms": rooms})
-
-    def _forget_finished(self) -> None:
-        for room, seq in list(self.rooms.items()):
-            if seq.is_finished and room not in self.transfers:
-                del self.rooms[room]
-                self.ready.pop(room, None)

@@ -26,8 +26,9 @@ from moeserve.core import (
     SamplingParams,
     Sequence,
 )
-from moeserve.disagg.connector import Connector, moves_kv
-from moeserve.disagg.factory import make_connector
+from moeserve.disagg.connector import LocalConnector, moves_kv
+from moeserve.disagg.factory import make_local_connector, make_rank
+from moeserve.disagg.rank import KVRank
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.codec import SeqStepOutput
 from moeserve.engine.output_processor import OutputProcessor
@@ -118,12 +119,30 @@ class LLMEngine:
             self.model.moe_blocks(), self.model.config, groups, config.eplb_options
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
-        # prefill/decode disaggregation: this instance's end of the KV transfers
-        self.kv_connector: Connector | None = make_connector(
-            config.disaggregation_options, self.scheduler, self.kv_pool, config.model
-        )
+        # prefill/decode disaggregation: one process runs the protocol's control and its
+        # rank's transfers (kv_connector); a rank of an engine group only its transfers
+        # (kv_rank), the group's rank 0 runs the control (launch/engine_group.py)
+        options = config.disaggregation_options
+        heads = self._kv_heads()
+        self.kv_connector: LocalConnector | None = None
+        if groups.dims.world_size == 1:
+            self.kv_connector = make_local_connector(
+                options, self.scheduler, self.kv_pool, config.model, *heads
+            )
+            self.kv_rank: KVRank | None = self.kv_connector and self.kv_connector.rank
+        else:
+            self.kv_rank = make_rank(options, self.scheduler, self.kv_pool, groups.rank, *heads)
         self._finished_outside: list[Sequence] = []  # ended between steps, reported by the next
         self._log_ready(time.perf_counter() - t0)
+
+    def _kv_heads(self) -> tuple[int, int]:
+        """GQA: the first of the model's KV heads this rank's cache holds, and how many the
+        model has; (0, 0) for MLA's latent, the same on every rank."""
+        attn = self.model.layers[0].self_attn if len(self.model.layers) else None
+        head0 = getattr(attn, "kv_head0", None)
+        if head0 is None:
+            return 0, 0
+        return head0, self.model_config.num_key_value_heads
 
     def _load_model(self) -> None:
         """Load the weights (sets ``model``, ``model_config``, ``load_report``), move them to
@@ -265,8 +284,8 @@ class LLMEngine:
             )
             for i in range(1 if role is KVRole.PREFILL else params.n)
         ]
-        if role is KVRole.PREFILL:
-            self.kv_connector.on_add(seqs[0])  # raises for a room in use
+        if role is not KVRole.LOCAL and self.kv_connector is not None:
+            self.kv_connector.on_add(request_id, params, prompt_ids)  # raises for a room in use
         self.outputs.add(request_id, prompt_text, prompt_ids, params, seqs)
         if role is KVRole.LOCAL and self._is_prefill_side(params):
             seqs[0].finish(FinishReason.LENGTH)  # the decode side computes this one itself
@@ -281,19 +300,16 @@ class LLMEngine:
             raise
 
     def _kv_role(self, prompt_ids: list[int], params: SamplingParams) -> KVRole:
-        if self.kv_connector is None or not moves_kv(prompt_ids, params):
+        mode = self.config.disaggregation_mode
+        if mode == "null" or not moves_kv(prompt_ids, params):
             return KVRole.LOCAL
-        return KVRole.PREFILL if self.kv_connector.role == "prefill" else KVRole.DECODE
+        return KVRole.PREFILL if mode == "prefill" else KVRole.DECODE
 
     def _is_prefill_side(self, params: SamplingParams) -> bool:
         """A request with bootstrap fields on a prefill instance. One whose KV does not move
         (a one-token prompt, prompt logprobs, n > 1) ends at once with no token: the decode
         instance computes it all."""
-        return (
-            self.kv_connector is not None
-            and self.kv_connector.role == "prefill"
-            and params.kv_transfer is not None
-        )
+        return self.config.disaggregation_mode == "prefill" and params.kv_transfer is not None
 
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -317,9 +333,22 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request at once; its KV blocks return to the pool before this returns."""
+        """Drop a request at once; its KV blocks return to the pool before this returns
+        (those a KV transfer may still touch, once it cannot: ``moeserve/disagg/``)."""
         self.scheduler.abort(request_id)
         self.outputs.drop(request_id)
+        if self.kv_connector is not None:
+            self.kv_connector.on_abort(request_id)
+
+    def apply_kv_commands(self, cmds: dict) -> None:
+        """An engine group's rank: apply the control's commands (``disagg/rank.py``) before
+        the step, which reports the sequences they ended."""
+        if self.kv_rank is not None and cmds:
+            self._finished_outside += self.kv_rank.apply(cmds)
+
+    def kv_events(self) -> dict:
+        """An engine group's rank: what its scheduler parked and its transfers did."""
+        return self.kv_rank.events() if self.kv_rank is not None else {}
 
     def finish_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
         """End one sample of a request with finish reason ``stop`` (its caller found a stop
@@ -332,6 +361,7 @@ class LLMEngine:
             or self.outputs.has_pending
             or bool(self._finished_outside)
             or (self.kv_connector is not None and self.kv_connector.has_pending())
+            or (self.kv_rank is not None and self.kv_rank.sending)
         )
 
     def eplb_command(self, action: str, path: str | None = None) -> dict:
@@ -368,6 +398,8 @@ class LLMEngine:
             self.eplb.dump()
         if self.kv_connector is not None:
             self.kv_connector.close()
+        elif self.kv_rank is not None:
+            self.kv_rank.close()
 
     def stats(self, self_check: bool = True) -> dict:
         """This replica's queues, KV cache and prefix-cache counters, the tokens routed to each

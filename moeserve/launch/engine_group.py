@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from moeserve.config import EngineConfig
 from moeserve.core import PromptType, RequestOutput, SamplingParams
+from moeserve.disagg.connector import Control, RankInfo, moves_kv
+from moeserve.disagg.factory import make_control
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.objects import all_gather_json, broadcast_json
 from moeserve.engine import codec
@@ -52,10 +54,14 @@ logger = logging.getLogger(__name__)
 STEP, STOP, INFO, STATS, PING = "step", "stop", "info", "stats", "ping"
 _GRACE_S = 10.0  # after a failure, how long the caller may take to close the group itself
 EPLB = "eplb"  # {cmd: eplb, action: rebalance | dump | status, path}: every rank, at once
+_KV_WAIT_S = 0.002  # a step with nothing but KV in flight waits this long for a message
 
 
 def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[RequestOutput]:
-    """Apply one control message to this rank's replica and take one engine step."""
+    """Apply one control message to this rank's replica and take one engine step: the KV
+    transfers' commands of prefill/decode disaggregation first (``disagg/rank.py``), then
+    the new requests, aborts and samples ended by the caller."""
+    engine.apply_kv_commands(msg.get("kv") or {})
     for add in msg["add"]:
         if add["replica"] == groups.coords.dp_rank:
             params = codec.params_from_json(add["params"])
@@ -68,14 +74,19 @@ def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[Reque
 
 
 def exchange_outputs(
-    groups: ParallelGroups, outputs: list[RequestOutput], stats: dict | None = None
-) -> tuple[list[RequestOutput], list[dict]]:
-    """Every replica leader's outputs of this step, on every rank, and the ``stats`` each rank
-    passed (in rank order; empty when none did), in the same gather."""
+    groups: ParallelGroups,
+    outputs: list[RequestOutput],
+    stats: dict | None = None,
+    kv_events: dict | None = None,
+) -> tuple[list[RequestOutput], list[dict], list[dict]]:
+    """Every replica leader's outputs of this step, on every rank, the ``stats`` each rank
+    passed (in rank order; empty when none did) and every rank's KV-transfer events (in rank
+    order), in the same gather."""
     mine = [codec.output_to_json(o) for o in outputs] if groups.is_replica_leader else []
-    parts = all_gather_json({"outputs": mine, "stats": stats}, groups.world)
+    parts = all_gather_json({"outputs": mine, "stats": stats, "kv": kv_events}, groups.world)
     gathered = [codec.output_from_json(o) for part in parts for o in part["outputs"]]
-    return gathered, [part["stats"] for part in parts if part["stats"] is not None]
+    stats_out = [part["stats"] for part in parts if part["stats"] is not None]
+    return gathered, stats_out, [part["kv"] or {} for part in parts]
 
 
 def rank_info(engine: LLMEngine, groups: ParallelGroups) -> dict:
@@ -93,6 +104,7 @@ def rank_info(engine: LLMEngine, groups: ParallelGroups) -> dict:
         "load_rss_bytes": engine.load_rss_bytes,
         "kv_cache_bytes": engine.kv_pool.num_bytes,
         "unfinished": engine.has_unfinished_requests(),
+        "kv_transfer": engine.kv_rank.describe() if engine.kv_rank is not None else None,
     }
 
 
@@ -117,7 +129,8 @@ def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
             all_gather_json(answer, groups.world)
             continue
         outputs = run_step(engine, groups, msg)
-        exchange_outputs(groups, outputs, engine.stats(False) if msg.get("stats") else None)
+        stats = engine.stats(False) if msg.get("stats") else None
+        exchange_outputs(groups, outputs, stats, engine.kv_events())
 
 
 def merge_stats(per_rank: list[dict], dims) -> dict:
@@ -143,6 +156,7 @@ def merge_stats(per_rank: list[dict], dims) -> dict:
     out["kv_cache_usage"] = 1.0 - out["num_free_blocks"] / max(1, out["num_blocks"])
     for k in ("num_draft_tokens", "num_accepted_tokens", "num_verify_steps"):
         out[f"spec_decode_{k}"] = sum(st.get(f"spec_decode_{k}", 0) for st in leaders)
+    out["num_parked"] = sum(st.get("num_parked", 0) for st in leaders)
     out["expert_counts"] = dict(sorted(experts.items()))
     out["eplb"] = merge_eplb([st.get("eplb") for st in per_rank])
     if all("integrity" in st for st in per_rank):
@@ -224,6 +238,20 @@ class EngineGroup:
             daemon=True,
         )
         self._keeper.start()
+        # prefill/decode disaggregation: the protocol's control runs here, each rank's
+        # transfers on that rank; commands ride on the step broadcast, events on its gather
+        self.kv_control: Control | None = None
+        self._kv_cmds: dict = {}
+        if self.config.disaggregation_options.enabled:
+            self.kv_control = self._make_kv_control()
+
+    def _make_kv_control(self) -> Control:
+        """The control over every rank's pool (each rank's describe, from an INFO gather)."""
+        infos = [
+            RankInfo(r["rank"], r["dp_rank"], r["tp_rank"], **r["kv_transfer"])
+            for r in self.rank_info()
+        ]
+        return make_control(self.config.disaggregation_options, infos, self.config.model)
 
     # what LLM and the CLI read from an engine
     @property
@@ -255,6 +283,8 @@ class EngineGroup:
             raise QueueFullError(
                 f"every DP replica has {cap} or more unfinished sequences; retry later"
             )
+        if self.kv_control is not None and moves_kv(ids, params):
+            self.kv_control.on_add(request_id, params, ids)  # raises for a room in use
         self._adds.append(
             {
                 "id": request_id,
@@ -275,6 +305,8 @@ class EngineGroup:
             self._adds.remove(pending[0])
         else:
             self._aborts.append(request_id)
+        if self.kv_control is not None:
+            self.kv_control.on_abort(request_id)
         self._forget(request_id)
 
     def finish_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
@@ -284,7 +316,9 @@ class EngineGroup:
             self._finishes.append((request_id, index, stop_reason))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._replica_of)
+        return bool(self._replica_of) or (
+            self.kv_control is not None and self.kv_control.has_pending()
+        )
 
     def step(self) -> list[RequestOutput]:
         return self._step(with_stats=False)[0]
@@ -293,25 +327,36 @@ class EngineGroup:
         """One step; every rank's stats (without the self-check) taken after it come back in
         the step's own gather of outputs, merged as :meth:`stats` merges them."""
         outputs, per_rank = self._step(with_stats=True)
-        return outputs, merge_stats(per_rank, self.groups.dims)
+        return outputs, self._with_kv_stats(merge_stats(per_rank, self.groups.dims))
+
+    def _with_kv_stats(self, stats: dict) -> dict:
+        """The group's stats with its KV transfers' counters (the control's)."""
+        c = self.kv_control
+        stats["disaggregation"] = {"role": c.role, **c.stats.to_json()} if c else None
+        return stats
 
     def _step(self, with_stats: bool) -> tuple[list[RequestOutput], list[dict]]:
         msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts, "finish": self._finishes}
         if with_stats:
             msg["stats"] = True
-        self._adds, self._aborts, self._finishes = [], [], []
+        if self._kv_cmds:
+            msg["kv"] = self._kv_cmds
+        self._adds, self._aborts, self._finishes, self._kv_cmds = [], [], [], {}
 
-        def take_step() -> tuple[list[RequestOutput], list[dict]]:
+        def take_step() -> tuple[list[RequestOutput], list[dict], list[dict]]:
             broadcast_json(msg, self.groups.world, 0)
             outputs = run_step(self.engine, self.groups, msg)
-            return exchange_outputs(
-                self.groups, outputs, self.engine.stats(False) if with_stats else None
-            )
+            stats = self.engine.stats(False) if with_stats else None
+            return exchange_outputs(self.groups, outputs, stats, self.engine.kv_events())
 
-        outputs, per_rank = self._collective(take_step)
+        outputs, per_rank, kv_events = self._collective(take_step)
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
+        if self.kv_control is not None:
+            self._kv_cmds = self.kv_control.poll(kv_events)
+            if not outputs and not self._kv_cmds and self.kv_control.has_pending():
+                self.kv_control.wait(_KV_WAIT_S)  # nothing but KV in flight
         return outputs, per_rank
 
     def stats(self, self_check: bool = True) -> dict:
@@ -326,7 +371,7 @@ class EngineGroup:
             broadcast_json(msg, self.groups.world, 0)
             return all_gather_json(self.engine.stats(self_check), self.groups.world)
 
-        return merge_stats(self._collective(gather), self.groups.dims)
+        return self._with_kv_stats(merge_stats(self._collective(gather), self.groups.dims))
 
     def eplb_command(self, action: str, path: str | None = None) -> dict:
         """An EPLB command on every rank (``ExpertBalancer.command``): ``rebalance`` now,
@@ -469,6 +514,8 @@ class EngineGroup:
     def _close(self, kill: bool) -> None:
         self.closed = True
         atexit.unregister(self.shutdown)
+        if self.kv_control is not None:
+            self.kv_control.close()
         self._stopping.set()  # the keep-alive thread never waits for the lock, so this joins
         if self._keeper is not threading.current_thread():
             self._keeper.join()

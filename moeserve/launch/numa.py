@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from moeserve.platform import UNPINNED_CPUS_ENV
+
 MODES = ("auto", "none")
 
 
@@ -269,6 +271,9 @@ def apply_binding(binding: RankBinding) -> None:
     import torch
 
     if hasattr(os, "sched_setaffinity"):
+        # what the process had before, for threads that must not share the rank's cores
+        # with its busy compute threads (the KV transfer engine's: moeserve/disagg/mooncake.py)
+        os.environ.setdefault(UNPINNED_CPUS_ENV, ",".join(map(str, process_cpus())))
         os.sched_setaffinity(0, binding.cpus)
     torch.set_num_threads(binding.num_threads)
     os.environ["OMP_NUM_THREADS"] = str(binding.num_threads)
