@@ -36,6 +36,11 @@ from moeserve.platform import UNPINNED_CPUS_ENV
 logger = logging.getLogger(__name__)
 
 _STALL_S = 5  # Mooncake's progress timeout at most
+# writes per engine call: 0.3.13 answers -1 at once for 4096, and its TCP lanes reject
+# writes when their queue is full ("TCP lane queue-full rejection") from a few thousand
+# queued at once, so a batch with more (GQA's per-token writes when the two sides split
+# heads differently) is sent in parts, one after the other
+MAX_WRITES = 256
 PENDING, DONE, FAILED = 0, 1, -1  # a batch's states (:meth:`MooncakeTransport.status`)
 # batches run one at a time per peer, on a thread of that peer's own (a peer that stops
 # answering holds only its own queue). With the engine's threads pinned to a rank's cores,
@@ -142,11 +147,20 @@ class MooncakeTransport:
     def _write(self, peer: str, srcs: list, dsts: list, lengths: list) -> int:
         _unpin_this_thread()
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            rc = self.engine.batch_transfer_sync_write(peer, srcs, dsts, lengths)
-            if rc == 0 or time.monotonic() + self.stall_s > deadline:
-                return rc
-            logger.warning("a KV transfer batch to %s failed (code %d): sending it again", peer, rc)
+        for i in range(0, len(srcs), MAX_WRITES):  # the engine refuses larger batches
+            part = slice(i, i + MAX_WRITES)
+            while True:
+                rc = self.engine.batch_transfer_sync_write(
+                    peer, srcs[part], dsts[part], lengths[part]
+                )
+                if rc == 0:
+                    break
+                if time.monotonic() + self.stall_s > deadline:
+                    return rc
+                logger.warning(
+                    "a KV transfer batch to %s failed (code %d): sending it again", peer, rc
+                )
+        return 0
 
     def status(self, batch: Future) -> int:
         """PENDING, DONE (every byte acknowledged by the peer) or FAILED."""

@@ -9,7 +9,10 @@ of its replica once its prompt is computed, and the decode instance's ``want`` (
 write: every rank of the decode replica that holds the request, its blocks, its session).
 With both, a ``send`` command has the replica's ranks write (``rank.py``): MLA's latent is the
 same on every tensor-parallel rank, so the decode ranks are shared out over the prefill
-ranks; GQA's heads come from whichever prefill rank holds them. When every writer's batch has
+ranks; a GQA decode rank's heads come from the prefill rank that holds the same heads (both
+sides need the same tensor-parallel split: the regrouping writes of ``layout.plan_writes``,
+one per token, stalled Mooncake's TCP transport when two prefill ranks wrote into one
+decode rank, so that case is refused with the reason). When every writer's batch has
 completed, ``done`` goes to the decode instance and the sequence finishes (``length``, no
 tokens), which ends its HTTP request. Whatever does not arrive within the transfer timeout
 (the want, the request, the batches' completion) fails the room on both sides.
@@ -25,7 +28,7 @@ import zmq
 from moeserve.core import SamplingParams
 from moeserve.disagg import bootstrap as b
 from moeserve.disagg.connector import Control, RankInfo
-from moeserve.disagg.layout import MLA, PoolLayout, check_compatible, shared_heads, transfer_bytes
+from moeserve.disagg.layout import MLA, PoolLayout, check_compatible, transfer_bytes
 from moeserve.disagg.mooncake import DONE, FAILED
 
 logger = logging.getLogger(__name__)
@@ -257,7 +260,8 @@ class PrefillControl(Control):
     ) -> tuple[dict[int, list[int]], int]:
         """Which source rank writes into which target (rank -> target indexes), and the
         bytes all of it moves. MLA: the targets shared out over the sources in turn. GQA:
-        each target's heads from the first source that holds each of them."""
+        each target from the source that holds the same heads (the same tensor-parallel
+        split on both sides; ValueError otherwise)."""
         writers: dict[int, list[int]] = {}
         total = 0
         src_layouts = [PoolLayout.from_json(s.layout) for s in sources]
@@ -268,20 +272,21 @@ class PrefillControl(Control):
                 writers.setdefault(sources[k].rank, []).append(i)
                 total += transfer_bytes(src_layouts[k], dst, num_tokens)
                 continue
-            covered: set[int] = set()
-            for s, src in zip(sources, src_layouts):
-                lo, hi = shared_heads(src, dst)
-                new = set(range(lo, hi)) - covered
-                if not new:
-                    continue
-                if len(new) != hi - lo:
-                    raise ValueError("prefill ranks hold overlapping, unequal head ranges")
-                covered |= new
-                writers.setdefault(s.rank, []).append(i)
-                total += transfer_bytes(src, dst, num_tokens)
-            missing = set(range(dst.head_start, dst.head_start + dst.num_heads)) - covered
-            if missing:
-                raise ValueError(f"no prefill rank holds KV heads {sorted(missing)}")
+            same = [
+                (s, src)
+                for s, src in zip(sources, src_layouts)
+                if (src.head_start, src.num_heads) == (dst.head_start, dst.num_heads)
+            ]
+            if not same:
+                raise ValueError(
+                    f"the decode rank holds KV heads [{dst.head_start}, "
+                    f"{dst.head_start + dst.num_heads}) and no prefill rank holds exactly "
+                    "those: start prefill and decode with the same --tp for a GQA model "
+                    "(regrouping heads between different splits is not supported yet)"
+                )
+            s, src = same[0]
+            writers.setdefault(s.rank, []).append(i)
+            total += transfer_bytes(src, dst, num_tokens)
         return writers, total
 
     def _check_transfers(self, now: float) -> None:
