@@ -208,6 +208,12 @@ class EngineConfig:
                     "prefill/decode disaggregation does not support pipeline parallelism yet: "
                     "drop --pp or --disaggregation-mode"
                 )
+            if self.nnodes > 1:
+                raise ValueError(
+                    "a prefill or decode instance spans one host for now (its ranks on other "
+                    "hosts would advertise this host's address): run one instance per host, "
+                    "or drop --nnodes"
+                )
 
     @property
     def disaggregation_options(self) -> DisaggregationOptions:
