@@ -6,7 +6,10 @@ lives in block ``seq.block_table[p // block_size]``.
 
 Every block is in exactly one state::
 
-    free       ref 0, no hash        in ``_free``          taken first by allocation
+    free       ref 0, no hash        in ``_free``          taken first by allocation, lowest
+                                                           id first (a new sequence's blocks
+                                                           then tend to follow each other:
+                                                           fewer, longer KV-transfer writes)
     cached     ref 0, hash           in ``_evictable``     a prefix-cache entry nobody uses now;
                                                            evicted least recently freed first
     used       ref > 0               in some block tables  ref == number of tables holding it
@@ -30,9 +33,10 @@ and the turn after hits those blocks.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import sys
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence as SequenceABC
 
 from moeserve.core import Sequence
@@ -57,7 +61,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks))  # a min-heap
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._hash_to_block: dict[bytes, int] = {}
         # live sequences (those holding a block table) and the hash chain of their full blocks
@@ -179,7 +183,7 @@ class BlockManager:
                     if self._hash[block] is not None:
                         self._evictable[block] = None  # most recently used end
                     else:
-                        self._free.append(block)
+                        heapq.heappush(self._free, block)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -231,7 +235,7 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         else:  # evict the least recently used cached block
             block, _ = self._evictable.popitem(last=False)
             del self._hash_to_block[self._hash[block]]  # type: ignore[index]
