@@ -5,8 +5,8 @@ metadata server: a peer is named by ``host:rpc_port``, its "session id", and the
 exchange their segment descriptors on first contact), over TCP by default or RDMA when a
 device is named. The pool's layer tensors are registered once, at start; a prefill instance
 then writes a request's KV straight from its blocks into the decode instance's registered
-blocks in one batch (:meth:`MooncakeTransport.submit`), and polls it (:meth:`status`)
-between engine steps, so no step waits on the network.
+blocks, one Mooncake batch per contiguous run (:meth:`MooncakeTransport.submit`), and polls
+them (:meth:`status`) between engine steps, so no step waits on the network.
 
 Mooncake ships as ``mooncake-transfer-engine-non-cuda`` on PyPI; its shared library links
 Debian's ``libibverbs1``, ``librdmacm1`` and ``libnuma1`` even for TCP
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,14 @@ def _import_engine():
             f"does it as root). The import failed with: {e}"
         ) from e
     return TransferEngine
+
+
+@dataclass
+class TransferBatch:
+    """The Mooncake batches of one transfer (one write each) that are not finished yet."""
+
+    pending: list[int] = field(default_factory=list)
+    failed: bool = False
 
 
 class MooncakeTransport:
@@ -65,19 +74,39 @@ class MooncakeTransport:
 
     def submit(
         self, peer: str, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int]
-    ) -> int:
+    ) -> TransferBatch:
         """Start writing ``lengths[i]`` bytes from local ``srcs[i]`` to ``dsts[i]`` in the
-        peer's registered memory; returns the batch id to poll. Raises RuntimeError when the
-        batch cannot even start (an unreachable peer)."""
-        batch = self.engine.batch_transfer_async_write(peer, list(srcs), list(dsts), list(lengths))
-        if batch <= 0:
-            raise RuntimeError(f"Mooncake could not start a transfer to {peer} (code {batch})")
+        peer's registered memory; returns what to poll (:meth:`status`). Raises RuntimeError
+        when the transfer cannot even start (an unreachable peer).
+
+        One Mooncake batch per write: ``transfer_check_status``, the binding's only status
+        call that does not block, answers for the first task of a batch alone (and frees the
+        batch once that task is done), so a batch of several writes would read "done" while
+        the others are still on the wire."""
+        batch = TransferBatch()
+        for src, dst, length in zip(srcs, dsts, lengths, strict=True):
+            rc = self.engine.batch_transfer_async_write(peer, [src], [dst], [length])
+            if rc <= 0:
+                if not batch.pending:
+                    raise RuntimeError(f"Mooncake could not start a transfer to {peer} (code {rc})")
+                batch.failed = True  # FAILED once the writes already started are finished
+                break
+            batch.pending.append(rc)
         return batch
 
-    def status(self, batch: int) -> int:
-        """PENDING, DONE or FAILED."""
-        rc = self.engine.transfer_check_status(batch)
-        return DONE if rc == DONE else FAILED if rc < 0 else PENDING
+    def status(self, batch: TransferBatch) -> int:
+        """PENDING until every write of ``batch`` finished, then DONE or FAILED."""
+        still = []
+        for b in batch.pending:
+            rc = self.engine.transfer_check_status(b)  # frees ``b`` once done or failed
+            if rc == FAILED:
+                batch.failed = True
+            elif rc != DONE:  # PENDING, or -2 (Mooncake's timeout: the write may still land)
+                still.append(b)
+        batch.pending = still
+        if still:
+            return PENDING
+        return FAILED if batch.failed else DONE
 
     def close(self) -> None:
         for addr in self._registered:

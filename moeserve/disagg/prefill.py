@@ -23,7 +23,7 @@ from moeserve.core import FinishReason, Sequence, SequenceStatus
 from moeserve.disagg import bootstrap as b
 from moeserve.disagg.connector import Connector
 from moeserve.disagg.layout import PoolLayout, plan_writes
-from moeserve.disagg.mooncake import DONE, FAILED
+from moeserve.disagg.mooncake import DONE, FAILED, TransferBatch
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class _Want:
 class _Transfer:
     seq: Sequence
     want: _Want
-    batch: int
+    batch: TransferBatch
     started: float
     num_bytes: int
     abandoned: bool = False  # the request was aborted while the batch ran
