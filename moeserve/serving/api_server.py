@@ -104,6 +104,7 @@ def public_router(state: ServerState) -> APIRouter:
         mode = state.disaggregation_mode
         return ServerInfo(
             model_path=state.model_path,
+            served_model_name=state.model_names[0],
             served_model_names=state.model_names,
             max_model_len=state.max_model_len,
             disaggregation_mode=mode,
