@@ -92,6 +92,7 @@ def public_router(state: ServerState) -> APIRouter:
     async def health() -> Response:
         state.check_accepting()
         state.check_ranks()
+        state.check_engine_answers()
         return Response(status_code=200)
 
     @router.get("/version")
