@@ -92,6 +92,7 @@ def public_router(state: ServerState) -> APIRouter:
     async def health() -> Response:
         state.check_accepting()
         state.check_ranks()
+        state.check_engine_answers()
         return Response(status_code=200)
 
     @router.get("/version")
@@ -104,6 +105,7 @@ def public_router(state: ServerState) -> APIRouter:
         mode = state.disaggregation_mode
         return ServerInfo(
             model_path=state.model_path,
+            served_model_name=state.model_names[0],
             served_model_names=state.model_names,
             max_model_len=state.max_model_len,
             disaggregation_mode=mode,

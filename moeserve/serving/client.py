@@ -7,6 +7,15 @@ The reader also keeps the engine's latest stats snapshot (:attr:`EngineClient.st
 the engine publishes on its own; ``/metrics`` reads it without a message to the engine.
 A watchdog notices an engine process that exits; every waiting request then ends with
 :class:`EngineDeadError` and the server stops.
+
+An engine that lives but stops answering (stuck, or SIGSTOPped) is noticed only where a bound
+is known: with prefill/decode disaggregation (:attr:`EngineClient.stall_timeout_s`, the
+transfer timeout). An engine with any request to work on publishes a stats snapshot at least
+every ``messages.STATS_INTERVAL_S`` between its steps, so one that sent nothing for the
+timeout while requests waited is stuck: each waiting request with bootstrap fields then fails
+(503), and so does each new one until the engine sends something again. A router waits for
+both instances' answers, so the prefill instance must answer even when its engine cannot;
+``/health`` answers 503 meanwhile, which takes the instance out of the router's rotation.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import zmq
@@ -56,8 +65,11 @@ class RejectedError(ValueError):
 class RequestStream:
     """The outputs (deltas) of one request, in order, until one with ``finished``."""
 
-    def __init__(self, client: EngineClient, request_id: str) -> None:
+    def __init__(self, client: EngineClient, request_id: str, moves_kv: bool = False) -> None:
+        """``moves_kv``: the request has bootstrap fields (it fails when the engine stalls)."""
         self.client, self.request_id = client, request_id
+        self.moves_kv = moves_kv
+        self.sent_at = time.monotonic()
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self._peeked: RequestOutput | BaseException | None = None
@@ -103,6 +115,17 @@ class RequestStream:
             self.client.abort(self.request_id)
 
 
+_STALL_CHECK_S = 0.5  # how often the stall watchdog looks (at most a quarter of its bound)
+
+
+def starved(
+    streams: Iterable[RequestStream], last_heard: float, now: float, timeout_s: float
+) -> list[RequestStream]:
+    """The requests the engine has sent nothing for since they were sent, for more than
+    ``timeout_s`` (an engine with work publishes at least every ``STATS_INTERVAL_S``)."""
+    return [s for s in streams if now - max(last_heard, s.sent_at) > timeout_s]
+
+
 class EngineClient:
     def __init__(self, proc: subprocess.Popen, ipc_dir: Path) -> None:
         self.proc = proc
@@ -118,6 +141,11 @@ class EngineClient:
         self.stats: m.StatsSnapshot | None = None  # the engine's latest, as it published it
         self.stats_received_at = 0.0  # time.monotonic() when it arrived
         self.missing_ranks: list[str] = []  # the group's ranks whose heartbeat is late
+        self.last_heard = time.monotonic()  # when the engine last sent any message
+        # prefill/decode disaggregation: the engine counts as stalled once it sent nothing
+        # for this long while requests waited (None: never); set before wait_ready
+        self.stall_timeout_s: float | None = None
+        self.stalled: str | None = None  # why: until the engine sends something again
         self.stop_requested: str | None = None  # why another host asked the group to stop
         self._closing = False
         self._streams: dict[str, RequestStream] = {}
@@ -177,6 +205,10 @@ class EngineClient:
             asyncio.create_task(self._read_outputs(), name="engine-outputs"),
             asyncio.create_task(self._watch_process(), name="engine-watchdog"),
         ]
+        if self.stall_timeout_s is not None:
+            self._tasks.append(
+                asyncio.create_task(self._watch_stalls(self.stall_timeout_s), name="engine-stall")
+            )
         return msg
 
     async def shutdown(self, timeout: float = 30.0) -> int:
@@ -215,12 +247,15 @@ class EngineClient:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises QueueFullError,
-        RejectedError or EngineDeadError."""
+        RejectedError, EngineDeadError, or RequestFailedError for a request with bootstrap
+        fields while the engine is stalled (or once it stalls before accepting it)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if self.stalled is not None and params.kv_transfer is not None:
+            raise RequestFailedError(self.stalled)  # a router would wait for it in vain
         if request_id in self._streams:
             raise RejectedError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, moves_kv=params.kv_transfer is not None)
         self._streams[request_id] = stream
         accepted = asyncio.get_running_loop().create_future()
         self._adds[request_id] = accepted
@@ -275,6 +310,10 @@ class EngineClient:
     async def _read_outputs(self) -> None:
         while True:
             msg = m.decode(await self.pull.recv())
+            self.last_heard = time.monotonic()
+            if self.stalled is not None:
+                logger.warning("the engine answers again (it had stalled: %s)", self.stalled)
+                self.stalled = None
             if isinstance(msg, m.StepOutputs):
                 for out in msg.outputs:
                     stream = self._streams.get(out.request_id)
@@ -303,6 +342,39 @@ class EngineClient:
             elif isinstance(msg, m.EngineDead):
                 self._die(msg.message)
                 return
+
+    async def _watch_stalls(self, timeout_s: float) -> None:
+        """Fail each waiting request with bootstrap fields once the engine has sent nothing
+        for ``timeout_s`` since it was sent (:func:`starved`), and mark the engine stalled."""
+        while True:
+            await asyncio.sleep(min(_STALL_CHECK_S, timeout_s / 4))
+            if self.pull.get(zmq.EVENTS) & zmq.POLLIN:
+                continue  # messages wait for the reader: this loop is late, not the engine
+            now = time.monotonic()
+            late = starved(self._streams.values(), self.last_heard, now, timeout_s)
+            if not late:
+                continue
+            if self.stalled is None:
+                self.stalled = (
+                    f"the engine has sent nothing for {now - self.last_heard:.1f} s while "
+                    f"{len(self._streams)} request(s) waited (a bound of {timeout_s:g} s, "
+                    "--disaggregation-transfer-timeout): it is stuck or stopped"
+                )
+                logger.error("%s", self.stalled)
+            error = RequestFailedError(self.stalled)
+            for stream in late:
+                if stream.moves_kv:
+                    self._fail_stream(stream, error)
+
+    def _fail_stream(self, stream: RequestStream, error: BaseException) -> None:
+        """End one request with ``error`` here, and drop it in the engine."""
+        self._streams.pop(stream.request_id, None)
+        added = self._adds.pop(stream.request_id, None)
+        if added is not None and not added.done():
+            added.set_exception(error)  # add_request aborts it in the engine
+            return
+        stream.queue.put_nowait(error)
+        self.send(m.AbortRequests([stream.request_id]))
 
     async def _watch_process(self) -> None:
         while self.proc.poll() is None:

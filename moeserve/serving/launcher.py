@@ -119,6 +119,8 @@ async def _serve(
         api_url=_public_url(sock, config),
         term_grace_s=options.shutdown_timeout_s + _ENGINE_STOP_S,
     )
+    if config.disaggregation_mode != "null":  # a router waits on us: answer even when stuck
+        client.stall_timeout_s = config.disaggregation_transfer_timeout_s
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -275,6 +275,9 @@ class ServerInfo(_Model):
     """GET /server_info: what a router asks of a worker (SGLang's names)."""
 
     model_path: str
+    # SGLang's field: sglang-router takes a worker's model id from it (from model_path when
+    # it is missing) and lists that id in its /v1/models, so it must be a name we accept
+    served_model_name: str
     served_model_names: list[str]
     max_model_len: int
     disaggregation_mode: Literal["null", "prefill", "decode"] = "null"

@@ -88,6 +88,12 @@ class ServerState:
         if missing:
             raise unavailable(f"{len(missing)} rank(s) missing: " + "; ".join(missing))
 
+    def check_engine_answers(self) -> None:
+        """For /health: 503 while the engine is stalled (it sent nothing for the bound while
+        requests waited; prefill/decode disaggregation only)."""
+        if self.client.stalled is not None:
+            raise unavailable(self.client.stalled)
+
     def check_token_ids(self, ids: list[int], field_name: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
@@ -132,6 +138,8 @@ async def start_all(state: ServerState, generations: list[Generation]) -> None:
             raise bad_request(str(e)) from None
         if isinstance(e, EngineDeadError):
             raise unavailable(f"the engine has failed: {e}") from None
+        if isinstance(e, RequestFailedError):  # the engine stalled before it took the request
+            raise unavailable(f"the request failed: {e}") from None
         raise
 
 
