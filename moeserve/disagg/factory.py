@@ -24,6 +24,11 @@ def make_rank(
     first of the model's ``total_heads`` KV heads this rank's pool holds."""
     if not options.enabled:
         return None
+    # fault the pool's pages in now: the transfer engine writes a peer's KV into them from
+    # its receiving thread, where first touches ran the writes at a third of their speed
+    # (benchmarks/pd_transfer.py)
+    for cache in pool.caches:
+        cache.fill_(0)
     return KVRank(options, scheduler, pool_layout(pool, head_start, total_heads), rank)
 
 
