@@ -154,6 +154,9 @@ class DecodeControl(Control):
         p = self.pending.get(room)
         if p is None or p.peer != peer:
             return  # a room that already ended here
+        if op not in (b.DONE, b.FAILED, b.CANCELLED):
+            logger.warning("bootstrap: unexpected %r from %s:%d", op, *peer)
+            return
         del self.pending[room]
         if op == b.DONE:
             self.stats.observe(now - p.asked, p.num_bytes, p.num_tokens)
@@ -161,8 +164,8 @@ class DecodeControl(Control):
         elif op == b.FAILED:
             reason = str(msg.get("reason", "the prefill instance failed the transfer"))
             self._fail(p, reason, now, late=bool(msg.get("late_writes")))
-        else:
-            logger.warning("bootstrap: unexpected %r from %s:%d", op, *peer)
+        else:  # CANCELLED, unasked: it dropped the request before writing any of it
+            self._fail(p, "the prefill instance dropped the request", now, late=False)
 
     def _on_disconnect(self, peer: b.Peer, now: float) -> None:
         reason = f"the prefill instance at {peer[0]}:{peer[1]} disconnected"

@@ -156,9 +156,9 @@ def check_compatible(src: PoolLayout, dst: PoolLayout) -> None:
         problems.append(f"{len(src.layer_addrs)} vs {len(dst.layer_addrs)} cache layers")
     if src.dtype != dst.dtype:
         problems.append(f"KV dtype {src.dtype} vs {dst.dtype}")
-    if src.kind == MLA and src.token_shape != dst.token_shape:
+    if src.kind == dst.kind == MLA and src.token_shape != dst.token_shape:
         problems.append(f"latent {src.token_shape} vs {dst.token_shape}")
-    if src.kind == GQA:
+    if src.kind == dst.kind == GQA:
         if src.total_heads != dst.total_heads or src.token_shape[2] != dst.token_shape[2]:
             problems.append(
                 f"KV heads {src.total_heads}x{src.token_shape[2]} vs "

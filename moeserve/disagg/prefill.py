@@ -232,6 +232,12 @@ class PrefillControl(Control):
         r = self.rooms[room]
         want = self.wants.pop(room)
         msg = want.msg
+        if msg.get("prompt") != r.digest or int(msg["num_tokens"]) != r.num_tokens:
+            # a want that came before its request was checked without the prompt
+            reason = "the prefill and decode instances tokenized the request differently"
+            self.server.send(want.ident, {"op": b.FAILED, "room": room, "reason": reason})
+            self._end(room, reason)
+            return
         try:
             writers, num_bytes = self._assign(
                 self.replicas[r.replica], msg["targets"], r.num_tokens
@@ -313,7 +319,7 @@ class PrefillControl(Control):
                 self.server.send(t.want.ident, {"op": b.DONE, "room": room})
                 self._end(room, None)
                 continue
-            late = timed_out or len(t.results) < len(t.writers)
+            late = True  # a failed or late batch's other writes may still be landing
             reason = (
                 f"the KV transfer timed out after {self.timeout_s:g}s"
                 if timed_out

@@ -284,18 +284,24 @@ class LLMEngine:
             )
             for i in range(1 if role is KVRole.PREFILL else params.n)
         ]
-        if role is not KVRole.LOCAL and self.kv_connector is not None:
-            self.kv_connector.on_add(request_id, params, prompt_ids)  # raises for a room in use
+        # first, as it raises for a request id in use: nothing else holds the request yet
         self.outputs.add(request_id, prompt_text, prompt_ids, params, seqs)
         if role is KVRole.LOCAL and self._is_prefill_side(params):
-            seqs[0].finish(FinishReason.LENGTH)  # the decode side computes this one itself
-            self._finished_outside.append(seqs[0])
+            for seq in seqs:  # the decode side computes this one itself
+                seq.finish(FinishReason.LENGTH)
+            self._finished_outside.extend(seqs)
             return
+        registered = False
         try:
+            if role is not KVRole.LOCAL and self.kv_connector is not None:
+                self.kv_connector.on_add(request_id, params, prompt_ids)  # raises: room in use
+                registered = True
             for seq in seqs:
                 self.scheduler.add(seq)
         except Exception:
             self.scheduler.abort(request_id)
+            if registered:
+                self.kv_connector.on_abort(request_id)  # the connector forgets its room
             self.outputs.drop(request_id)
             raise
 

@@ -260,7 +260,7 @@ class Scheduler:
     def kv_arrived(self, seq: Sequence) -> None:
         """The prompt KV of a parked decode-role sequence has been written into its blocks:
         it runs its last prompt token in the next step (a one-token prefill chunk)."""
-        if self.parked.pop(seq.seq_id, None) is None or seq.kv_role is not KVRole.DECODE:
+        if seq.kv_role is not KVRole.DECODE or self.parked.pop(seq.seq_id, None) is None:
             raise ValueError(f"sequence {seq.seq_id} is not waiting for its KV")
         seq.num_computed_tokens = seq.num_prompt_tokens - 1
         seq.kv_role = KVRole.LOCAL  # from here on (a preemption too) it is a local sequence
