@@ -11,7 +11,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.config import EngineConfig, EplbOptions
 from moeserve.eplb import load_expert_location, save_placement
 from moeserve.eplb.balancer import run_command
-from moeserve.launch.engine_group import merge_eplb
+from moeserve.launch.group_stats import merge_eplb
 from moeserve.serving.metrics import ServerMetrics, rank_imbalance
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 

@@ -8,7 +8,7 @@ import pytest
 from moeserve.core import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from moeserve.demo import demo_model_path
 from moeserve.distributed.parallel_dims import ParallelDims
-from moeserve.launch.engine_group import merge_stats
+from moeserve.launch.group_stats import merge_stats
 from moeserve.serving import messages as m
 from moeserve.serving.errors import APIError, _field
 from moeserve.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
