@@ -312,7 +312,7 @@ class PrefillControl(Control):
                     if r.aborted:
                         self._cmd("free", r.request_id)
                     else:  # the decode side dropped it
-                        self._end_quietly(r, "the decode instance dropped the request")
+                        self._cmd("fail", [r.request_id, "the decode instance dropped the request"])
                 continue
             if done:
                 self.stats.observe(now - t.started, t.num_bytes, r.num_tokens)
@@ -329,9 +329,6 @@ class PrefillControl(Control):
                 t.want.ident, {"op": b.FAILED, "room": room, "reason": reason, "late_writes": late}
             )
             self._end(room, reason)
-
-    def _end_quietly(self, r: _Room, reason: str) -> None:
-        self._cmd("fail", [r.request_id, reason])
 
     def _expire(self, now: float) -> None:
         limit = self.timeout_s

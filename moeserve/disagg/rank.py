@@ -34,8 +34,6 @@ from moeserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-NO_COMMANDS: dict = {}
-
 
 class KVRank:
     """This rank's transfer engine (its pool registered once) and the commands' effects."""

@@ -129,7 +129,7 @@ class LLMEngine:
             self.kv_connector = make_local_connector(
                 options, self.scheduler, self.kv_pool, config.model, *heads
             )
-            self.kv_rank: KVRank | None = self.kv_connector and self.kv_connector.rank
+            self.kv_rank: KVRank | None = self.kv_connector.rank if self.kv_connector else None
         else:
             self.kv_rank = make_rank(options, self.scheduler, self.kv_pool, groups.rank, *heads)
         self._finished_outside: list[Sequence] = []  # ended between steps, reported by the next
