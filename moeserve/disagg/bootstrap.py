@@ -22,15 +22,14 @@ disconnected`), and its rooms fail at once instead of waiting for their timeout.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import sys
-from array import array
 from collections.abc import Sequence
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+from moeserve.kvcache.block_manager import hash_block
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +48,9 @@ Peer = tuple[str, int]  # a prefill instance's bootstrap (host, port)
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
-    """sha256 of token ids as little-endian int64 (the same on every host)."""
-    tokens = array("q", token_ids)
-    if sys.byteorder != "little":
-        tokens.byteswap()
-    return hashlib.sha256(tokens.tobytes()).hexdigest()
+    """sha256 of token ids as little-endian int64 (the same on every host): the prefix
+    cache's block hash of them, with no parent."""
+    return hash_block(b"", token_ids).hex()
 
 
 def _encode(msg: dict) -> bytes:

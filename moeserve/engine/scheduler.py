@@ -194,15 +194,17 @@ class Scheduler:
                 budget -= n + len(d)
                 i += 1
 
+        receiving = self._num_receiving()  # parked for their KV: they count as running
         while (
             not preempted
             and self.waiting
-            and len(self.running) + self._num_receiving() < self.config.max_num_seqs
+            and len(self.running) + receiving < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
             if seq.kv_role is KVRole.DECODE:
                 if not self._admit_receiving(seq):
                     break
+                receiving += 1
                 continue
             if budget <= 0:
                 break
