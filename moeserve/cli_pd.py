@@ -59,9 +59,25 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from moeserve.serving.auto_pd_policy import AutoPDOptions
     from moeserve.serving.router import RouterOptions, run_router
 
     logging.getLogger("moeserve").setLevel(args.log_level.upper())
+    auto_pd = None
+    if args.auto_pd:
+        auto_pd = AutoPDOptions(
+            ttft_ms=args.auto_pd_ttft_ms,
+            tpot_ms=args.auto_pd_tpot_ms,
+            target=args.auto_pd_target,
+            queue_high=args.auto_pd_queue_high,
+            interval_s=args.auto_pd_interval,
+            window_s=args.auto_pd_window,
+            sustain_s=args.auto_pd_sustain,
+            cooldown_s=args.auto_pd_cooldown,
+            min_samples=args.auto_pd_min_samples,
+            min_per_role=args.auto_pd_min_per_role,
+            drain_timeout_s=args.auto_pd_drain_timeout,
+        )
     options = RouterOptions(
         prefill_urls=tuple(args.prefill or ()),
         decode_urls=tuple(args.decode or ()),
@@ -75,6 +91,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         wait_timeout_s=args.wait_timeout,
         log_level=args.log_level,
         extra_args=tuple(args.router_args),
+        auto_pd=auto_pd,
     )
     return run_router(options)
 
@@ -117,5 +134,56 @@ def add_router_parser(sub) -> None:
         help="seconds to wait for every instance's /server_info (default: 600)",
     )
     r.add_argument("--log-level", default="info", choices=tuple(LOG_LEVELS))
+    _add_auto_pd_args(r)
     r.add_argument("router_args", nargs="*", metavar="-- EXTRA", help="passed to sglang-router")
     r.set_defaults(func=cmd_router)
+
+
+def _add_auto_pd_args(r: argparse.ArgumentParser) -> None:
+    from moeserve.serving.auto_pd_policy import AutoPDOptions
+
+    d = AutoPDOptions()
+    g = r.add_argument_group(
+        "adaptive P/D", "move instances between the roles as the load changes (auto_pd.py)"
+    )
+    a = g.add_argument
+    a("--auto-pd", action="store_true", help="switch instances' roles when one role is short")
+    a("--auto-pd-ttft-ms", type=float, default=d.ttft_ms, help="the TTFT target (ms)")
+    a("--auto-pd-tpot-ms", type=float, default=d.tpot_ms, help="the inter-token target (ms)")
+    a(
+        "--auto-pd-target",
+        type=float,
+        default=d.target,
+        help="the fraction of observations that must meet each target",
+    )
+    a(
+        "--auto-pd-queue-high",
+        type=float,
+        default=d.queue_high,
+        help="queued requests per instance that make a role short by themselves",
+    )
+    a("--auto-pd-interval", type=float, default=d.interval_s, metavar="S", help="between looks")
+    a("--auto-pd-window", type=float, default=d.window_s, metavar="S", help="signals' window")
+    a(
+        "--auto-pd-sustain",
+        type=float,
+        default=d.sustain_s,
+        metavar="S",
+        help="how long a role must stay short before an instance moves",
+    )
+    a(
+        "--auto-pd-cooldown",
+        type=float,
+        default=d.cooldown_s,
+        metavar="S",
+        help="the least time between two switches",
+    )
+    a("--auto-pd-min-samples", type=int, default=d.min_samples, help="per SLO verdict")
+    a("--auto-pd-min-per-role", type=int, default=d.min_per_role, help="instances kept per role")
+    a(
+        "--auto-pd-drain-timeout",
+        type=float,
+        default=d.drain_timeout_s,
+        metavar="S",
+        help="how long a switching instance may take to finish its requests",
+    )

@@ -42,6 +42,10 @@ LATE_WRITE_GRACE_S = 2.0
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+class NotDrainedError(ValueError):
+    """An instance cannot switch roles yet: requests or KV transfers are still in flight."""
+
+
 def moves_kv(prompt_ids: list[int], params: SamplingParams) -> bool:
     """Whether a request with bootstrap fields moves its KV from the prefill instance (both
     sides decide alike, from the same request): not for a one-token prompt (nothing to send:
@@ -181,7 +185,10 @@ class LocalConnector:
     def __init__(self, control: Control, rank: KVRank) -> None:
         self.control = control
         self.rank = rank
-        self.role = control.role
+
+    @property
+    def role(self) -> str:
+        return self.control.role
 
     @property
     def stats(self) -> TransferStats:

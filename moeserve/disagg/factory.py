@@ -3,8 +3,16 @@ control, and both glued for one process."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from moeserve.config import DisaggregationOptions
-from moeserve.disagg.connector import Control, LocalConnector, RankInfo, pool_layout
+from moeserve.disagg.connector import (
+    Control,
+    LocalConnector,
+    NotDrainedError,
+    RankInfo,
+    pool_layout,
+)
 from moeserve.disagg.decode import DecodeControl
 from moeserve.disagg.prefill import PrefillControl
 from moeserve.disagg.rank import KVRank
@@ -41,6 +49,26 @@ def make_control(
     if options.mode == "decode":
         return DecodeControl(options, ranks, model_dir)
     return None
+
+
+def switch_control(control: Control, mode: str, model_dir: str) -> Control:
+    """A control of role ``mode`` over the same ranks, in place of ``control``, which must
+    have nothing in flight (the instance drained first: ``has_pending`` is False). The new
+    one is made before the old one closes, so a failure (say, the bootstrap port of a new
+    prefill role taken) leaves ``control`` serving; its counters carry over, as Prometheus
+    counters must never go down. Raises ValueError for a bad ``mode``, NotDrainedError for
+    a busy control."""
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"the role must be 'prefill' or 'decode', got {mode!r}")
+    if mode == control.role:
+        return control
+    if control.has_pending():
+        raise NotDrainedError("KV transfers are still in flight: drain the instance first")
+    options = dataclasses.replace(control.options, mode=mode)
+    new = make_control(options, control.ranks, model_dir)
+    new.stats = control.stats
+    control.close()
+    return new
 
 
 def make_local_connector(

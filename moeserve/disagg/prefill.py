@@ -70,7 +70,13 @@ class PrefillControl(Control):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.ctx = zmq.Context()
-        self.server = b.BootstrapServer(self.ctx, self.options.host, self.options.bootstrap_port)
+        try:
+            self.server = b.BootstrapServer(
+                self.ctx, self.options.host, self.options.bootstrap_port
+            )
+        except BaseException:
+            self.ctx.term()
+            raise
         self.rooms: dict[int, _Room] = {}  # room -> this side's request, until it ends
         self.room_of: dict[str, int] = {}  # request id -> room
         self.wants: dict[int, _Want] = {}

@@ -26,8 +26,8 @@ from moeserve.core import (
     SamplingParams,
     Sequence,
 )
-from moeserve.disagg.connector import LocalConnector, moves_kv
-from moeserve.disagg.factory import make_local_connector, make_rank
+from moeserve.disagg.connector import LocalConnector, NotDrainedError, moves_kv
+from moeserve.disagg.factory import make_local_connector, make_rank, switch_control
 from moeserve.disagg.rank import KVRank
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.codec import SeqStepOutput
@@ -123,6 +123,7 @@ class LLMEngine:
         # rank's transfers (kv_connector); a rank of an engine group only its transfers
         # (kv_rank), the group's rank 0 runs the control (launch/engine_group.py)
         options = config.disaggregation_options
+        self.disaggregation_mode = options.mode  # set_disaggregation_mode switches it
         heads = self._kv_heads()
         self.kv_connector: LocalConnector | None = None
         if groups.dims.world_size == 1:
@@ -306,7 +307,7 @@ class LLMEngine:
             raise
 
     def _kv_role(self, prompt_ids: list[int], params: SamplingParams) -> KVRole:
-        mode = self.config.disaggregation_mode
+        mode = self.disaggregation_mode
         if mode == "null" or not moves_kv(prompt_ids, params):
             return KVRole.LOCAL
         return KVRole.PREFILL if mode == "prefill" else KVRole.DECODE
@@ -315,7 +316,42 @@ class LLMEngine:
         """A request with bootstrap fields on a prefill instance. One whose KV does not move
         (a one-token prompt, prompt logprobs, n > 1) ends at once with no token: the decode
         instance computes it all."""
-        return self.config.disaggregation_mode == "prefill" and params.kv_transfer is not None
+        return self.disaggregation_mode == "prefill" and params.kv_transfer is not None
+
+    def set_disaggregation_mode(self, mode: str) -> dict:
+        """Switch this instance between the prefill and decode roles (adaptive P/D): only
+        when it holds no request and no transfer (its server drained it); the pool and its
+        transfer-engine registration stay, the bootstrap control is replaced. A rank of an
+        engine group only takes the role for the requests it is sent (its rank 0 switches
+        the control: ``EngineGroup.set_disaggregation_mode``). Returns the new role's
+        ``/server_info`` fields; ValueError says why it cannot switch (NotDrainedError: not
+        yet)."""
+        if self.disaggregation_mode == "null":
+            raise ValueError(
+                "this instance serves colocated: only one started with --disaggregation-mode "
+                "prefill or decode can switch roles"
+            )
+        if mode not in ("prefill", "decode"):
+            raise ValueError(f"the role must be 'prefill' or 'decode', got {mode!r}")
+        if self.kv_connector is not None:
+            if self.has_unfinished_requests():
+                raise NotDrainedError(self.busy_reason())
+            self.kv_connector.control = switch_control(
+                self.kv_connector.control, mode, self.config.model
+            )
+        if mode != self.disaggregation_mode:
+            logger.info("switched from the %s role to %s", self.disaggregation_mode, mode)
+        self.disaggregation_mode = mode
+        return self.kv_connector.info() if self.kv_connector is not None else {}
+
+    def busy_reason(self) -> str:
+        """What keeps this instance from switching roles (the drain is not over)."""
+        sched = self.scheduler
+        return (
+            f"not drained: {sched.num_running} running, {sched.num_waiting} waiting, "
+            f"{sched.num_parked} parked sequence(s), KV transfers in flight: "
+            f"{self.kv_connector is not None and self.kv_connector.has_pending()}"
+        )
 
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

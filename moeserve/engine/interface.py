@@ -90,6 +90,12 @@ class Engine(Protocol):
         raises ValueError with the balancer's error."""
         ...
 
+    def set_disaggregation_mode(self, mode: str) -> dict:
+        """Switch between the prefill and decode roles of disaggregation (adaptive P/D), only
+        with nothing in flight; returns the role's ``/server_info`` fields. ValueError: why
+        not (colocated, not drained, the bootstrap port taken)."""
+        ...
+
     def watch(
         self,
         on_failure: Callable[[str], None],

@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from moeserve.config import EngineConfig
 from moeserve.core import PromptType, RequestOutput, SamplingParams
-from moeserve.disagg.connector import Control, RankInfo, moves_kv
-from moeserve.disagg.factory import make_control
+from moeserve.disagg.connector import Control, NotDrainedError, RankInfo, moves_kv
+from moeserve.disagg.factory import make_control, switch_control
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.objects import all_gather_json, broadcast_json
 from moeserve.engine import codec
@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 STEP, STOP, INFO, STATS, PING = "step", "stop", "info", "stats", "ping"
 _GRACE_S = 10.0  # after a failure, how long the caller may take to close the group itself
 EPLB = "eplb"  # {cmd: eplb, action: rebalance | dump | status, path}: every rank, at once
+KV_MODE = "kv_mode"  # {cmd: kv_mode, mode: prefill | decode}: the role of requests from now on
 _KV_WAIT_S = 0.002  # a step with nothing but KV in flight waits this long for a message
 
 
@@ -128,6 +129,9 @@ def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
         if msg["cmd"] == EPLB:
             answer = run_command(engine.eplb, msg["action"], msg.get("path"), groups.world)
             all_gather_json(answer, groups.world)
+            continue
+        if msg["cmd"] == KV_MODE:
+            engine.set_disaggregation_mode(msg["mode"])
             continue
         outputs = run_step(engine, groups, msg)
         stats = engine.stats(False) if msg.get("stats") else None
@@ -339,6 +343,28 @@ class EngineGroup:
         if errors:
             raise ValueError(errors[0])
         return next((a["result"] for a in answers if a["result"] is not None), {})
+
+    def set_disaggregation_mode(self, mode: str) -> dict:
+        """Switch the group between the prefill and decode roles (``LLMEngine.
+        set_disaggregation_mode``): only with no request and no transfer in flight; the
+        control here is replaced, and every rank takes the role for the requests of the
+        steps after. Returns the new role's ``/server_info`` fields; ValueError says why not."""
+        if self.kv_control is None:
+            raise ValueError(
+                "this instance serves colocated: only one started with --disaggregation-mode "
+                "prefill or decode can switch roles"
+            )
+        if self._replica_of:
+            raise NotDrainedError(f"not drained: {len(self._replica_of)} request(s) in the group")
+        self.kv_control = switch_control(self.kv_control, mode, self.config.model)
+        msg = {"cmd": KV_MODE, "mode": mode}
+
+        def everywhere() -> None:
+            broadcast_json(msg, self.groups.world, 0)
+            self.engine.set_disaggregation_mode(mode)
+
+        self._collective(everywhere)
+        return self.kv_control.info()
 
     def keepalive(self) -> None:
         """Wake the workers without a step (their wait for rank 0's next message is a

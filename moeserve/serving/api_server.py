@@ -7,6 +7,7 @@ endpoints. :func:`build_app` takes a ready :class:`ServerState`; ``launcher.py``
     GET  /admin/eplb            (with --enable-debug-endpoints: expert-load balancing state)
     POST /admin/eplb/rebalance  re-place the experts from the load window now
     POST /admin/eplb/dump       write the load window to --expert-stats-out
+    POST /admin/disaggregation/role  (a prefill/decode instance: switch roles, role_switch.py)
 
 Every request first passes :class:`RequestGuard` (``guard.py``): with an API key, every path
 but /health, /version and /metrics needs ``Authorization: Bearer KEY`` (checked before the
@@ -43,6 +44,7 @@ from moeserve.serving.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from moeserve.serving.role_switch import role_router
 from moeserve.serving.state import ServerState, unavailable
 
 PUBLIC_PATHS = ("/health", "/version", "/metrics")
@@ -80,6 +82,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(tokenizer_router(state))
     if state.debug_endpoints:
         app.include_router(debug_router(state))
+    if state.disaggregation_mode != "null":
+        app.include_router(role_router(state))
     return app
 
 

@@ -146,6 +146,7 @@ class EngineClient:
         # for this long while requests waited (None: never); set before wait_ready
         self.stall_timeout_s: float | None = None
         self.stalled: str | None = None  # why: until the engine sends something again
+        self.paused: str | None = None  # why new requests are refused (a role switch drains)
         self.stop_requested: str | None = None  # why another host asked the group to stop
         self._closing = False
         self._streams: dict[str, RequestStream] = {}
@@ -248,11 +249,14 @@ class EngineClient:
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises QueueFullError,
         RejectedError, EngineDeadError, or RequestFailedError for a request with bootstrap
-        fields while the engine is stalled (or once it stalls before accepting it)."""
+        fields while the engine is stalled (or once it stalls before accepting it), and for
+        any while :attr:`paused`."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if self.stalled is not None and params.kv_transfer is not None:
             raise RequestFailedError(self.stalled)  # a router would wait for it in vain
+        if self.paused is not None:  # after the HTTP layer's check, before the count below
+            raise RequestFailedError(self.paused)
         if request_id in self._streams:
             raise RejectedError(f"request id {request_id!r} is already in use")
         stream = RequestStream(self, request_id, moves_kv=params.kv_transfer is not None)

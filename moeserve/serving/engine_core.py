@@ -42,6 +42,7 @@ from collections.abc import Callable
 import zmq
 
 from moeserve.config import EngineConfig
+from moeserve.disagg.connector import NotDrainedError
 from moeserve.engine.interface import Engine
 from moeserve.engine.scheduler import QueueFullError
 from moeserve.serving import messages as m
@@ -235,6 +236,14 @@ class EngineCore:
             try:
                 return m.CallResult(msg.call_id, eplb_call(self.engine, **(msg.args or {})))
             except (ValueError, TypeError) as e:
+                return m.CallResult(msg.call_id, error=str(e))
+        if msg.method == "disaggregation_mode":
+            try:
+                mode = (msg.args or {}).get("mode")
+                return m.CallResult(msg.call_id, self.engine.set_disaggregation_mode(mode))
+            except NotDrainedError as e:  # not an error: the caller asks again
+                return m.CallResult(msg.call_id, {"not_drained": str(e)})
+            except (ValueError, OSError) as e:  # OSError: a bootstrap port in use
                 return m.CallResult(msg.call_id, error=str(e))
         return m.CallResult(msg.call_id, error=f"unknown method {msg.method!r}")
 

@@ -23,6 +23,7 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
     422: "BadRequestError",
     500: "InternalServerError",

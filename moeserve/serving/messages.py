@@ -49,7 +49,8 @@ class FinishSample:
 @dataclass(frozen=True)
 class Call:
     """``method``: ``stats`` (LLMEngine.stats of the whole engine), or ``eplb`` with
-    ``args`` ``{"action": "rebalance" | "dump" | "status"}`` (expert load balancing)."""
+    ``args`` ``{"action": "rebalance" | "dump" | "status"}`` (expert load balancing), or
+    ``disaggregation_mode`` with ``{"mode": "prefill" | "decode"}`` (switch roles, drained)."""
 
     call_id: int
     method: str

@@ -286,6 +286,21 @@ class ServerInfo(_Model):
     version: str
 
 
+class RoleSwitchRequest(_Model):
+    """POST /admin/disaggregation/role: switch this instance to another role of prefill/decode
+    disaggregation (adaptive P/D), after draining it for at most ``drain_timeout_s``."""
+
+    mode: Literal["prefill", "decode"]
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+
+
+class RoleSwitchResponse(_Model):
+    disaggregation_mode: Literal["prefill", "decode"]
+    disaggregation_bootstrap_port: int | None = None
+    switched: bool  # False: it already served in that role
+    drain_s: float  # how long it waited for the requests in flight to end
+
+
 class ModelInfo(_Model):
     """GET /model_info (SGLang's names)."""
 

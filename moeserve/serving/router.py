@@ -32,6 +32,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from moeserve.serving.auto_pd import AutoPD
+from moeserve.serving.auto_pd_policy import AutoPDOptions
 from moeserve.serving.supervisor import StopFlag, StopSignals, spawn, supervise, terminate
 
 logger = logging.getLogger("moeserve.router")
@@ -86,6 +88,8 @@ class RouterOptions:
     wait_timeout_s: float = 600.0
     log_level: str = "info"
     extra_args: tuple[str, ...] = ()
+    # adaptive P/D (auto_pd.py): None leaves every instance in its role
+    auto_pd: AutoPDOptions | None = None
 
     def __post_init__(self) -> None:
         prefill = tuple(normalize_worker_url(u) for u in self.prefill_urls)
@@ -128,6 +132,15 @@ class RouterOptions:
         ):
             if name == "power_of_two" and len(urls) < 2:
                 raise ValueError(f"power_of_two for {role} needs >= 2 {role} workers, got 1")
+            if name == "power_of_two" and self.auto_pd is not None:
+                raise ValueError(
+                    f"power_of_two for {role} needs >= 2 {role} workers, and --auto-pd may "
+                    "leave one: choose another policy"
+                )
+        if self.auto_pd is not None and len(prefill) + len(decode) < 3:
+            raise ValueError(
+                "--auto-pd needs at least 3 instances: with one per role there is none to move"
+            )
         if self.request_timeout_s < 1:
             raise ValueError(f"the request timeout must be >= 1 s, got {self.request_timeout_s}")
         if self.wait_timeout_s <= 0:
@@ -145,7 +158,8 @@ class RouterOptions:
 
     @property
     def decode_policy_name(self) -> str:
-        default = "power_of_two" if len(self.decode_urls) >= 2 else "round_robin"
+        many = len(self.decode_urls) >= 2 and self.auto_pd is None
+        default = "power_of_two" if many else "round_robin"
         return self.decode_policy or self.policy or default
 
     @property
@@ -310,6 +324,7 @@ def run_router(options: RouterOptions) -> int:
         argv = router_argv(options, ports)
         child = spawn(argv)
         logger.info("started sglang-router (pid %d): %s", child.pid, " ".join(argv))
+        controller = None
         try:
             if _wait_registered(options, child, stop):
                 logger.info(
@@ -318,10 +333,16 @@ def run_router(options: RouterOptions) -> int:
                     list(options.prefill_urls),
                     list(options.decode_urls),
                 )
+                if options.auto_pd is not None:
+                    controller = AutoPD(options.local_url, options.auto_pd, stop)
+                    controller.start()
             code = supervise(child, stop, _STOP_WAIT_S)
         except BaseException:
             terminate(child, _STOP_WAIT_S)
             raise
+        finally:
+            if controller is not None:
+                controller.close(_STOP_WAIT_S)  # the router is gone: nothing left to steer
     if stop.signum is None:
         logger.error("sglang-router exited with code %d", code)
         return code or 1

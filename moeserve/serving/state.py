@@ -59,6 +59,7 @@ class ServerState:
     disaggregation_mode: str = "null"
     bootstrap_port: int | None = None
     draining: bool = False
+    switching_to: str | None = None  # the role this instance is draining for (role_switch.py)
     texts: TokenTexts = field(init=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +81,11 @@ class ServerState:
             raise unavailable(f"the engine has failed: {self.client.dead}")
         if self.draining:
             raise unavailable("the server is shutting down")
+        if self.switching_to is not None:
+            raise unavailable(
+                f"this instance is switching to the {self.switching_to} role: send the request "
+                "to another one"
+            )
 
     def check_ranks(self) -> None:
         """For /health: 503 naming the ranks of the engine group whose heartbeat is late (the
