@@ -9,7 +9,8 @@ torch, inside its functions).
     memory.py      weights, KV cache and activations per rank
     simulator.py   one decode and one prefill pass
     search.py      batches under TTFT / TPOT targets, ranking, node sweeps
-    cli.py         ``moeserve plan``;  plot.py  sweeps as a PNG
+    pd_ratio.py    the best fixed prefill:decode split of N instances for a phased workload
+    cli.py         ``moeserve plan`` (cli_pd.py: ``--pd-instances``);  plot.py  sweeps as a PNG
     calibrate/     ``moeserve plan calibrate``: micro.py (bandwidth, GEMMs, experts, gloo),
                    engine.py (the engine's own steps: host overheads, collectives),
                    host.py (the CPU model, ISA and caches a profile was measured on)

@@ -4,6 +4,8 @@ calibrate this machine.
     moeserve plan --model deepseek-v3 --hardware h800 --nodes 4 --input-len 2000 \\
         --output-len 500 [--ttft-ms 800 --tpot-ms 45] [--json] [--top 5]
     moeserve plan --model ... --hardware ... --sweep-nodes 16,64,256,1024,8192
+    moeserve plan --model ... --hardware ... --pd-instances 3 --pd-colocated 3 \\
+        --phase 1024:4:0.2:120 --phase 64:128:0.3:120 [--ttft-ms ... --tpot-ms ...]
     moeserve plan calibrate [--out FILE] [--threads N] [--refit EARLIER_PROFILE]
 """
 
@@ -13,6 +15,7 @@ import argparse
 import json
 import sys
 
+from moeserve.planner.cli_pd import add_pd_args, run_pd
 from moeserve.planner.hardware import ProfileError, builtin_profiles, load_profile
 from moeserve.planner.layout import Layout
 from moeserve.planner.model_spec import ModelSpecError, builtin_models, load_model_spec
@@ -53,7 +56,12 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--weight-dtype", default=None, help="override the profile's")
     p.add_argument("--kv-dtype", default=None, help="override the profile's")
-    p.add_argument("--max-decode-batch", type=int, default=1024, help="per DP rank")
+    p.add_argument(
+        "--max-decode-batch",
+        type=int,
+        default=None,
+        help="per DP rank (default 1024; with --pd-instances 64, the engine's max_num_seqs)",
+    )
     p.add_argument(
         "--instance-nodes",
         default=None,
@@ -69,6 +77,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--plot", default=None, help="with --sweep-nodes: write a PNG of the sweep (matplotlib)"
     )
+    add_pd_args(p)
     p.set_defaults(func=run_plan)
     cal_sub = p.add_subparsers(dest="plan_command")
     c = cal_sub.add_parser("calibrate", help="measure this machine, write a profile YAML")
@@ -104,13 +113,16 @@ def run_plan(args: argparse.Namespace) -> int:
         hw = load_profile(args.hardware)
     except (ProfileError, ModelSpecError) as e:
         raise ValueError(str(e)) from None
+    if args.pd_instances is not None:
+        lay = parse_layout(args.layout, args.mtp_acceptance) if args.layout else None
+        return run_pd(args, spec, hw, lay)
     w = Workload(
         args.input_len,
         args.output_len,
         args.ttft_ms,
         args.tpot_ms,
         imbalance=args.imbalance,
-        max_decode_batch=args.max_decode_batch,
+        max_decode_batch=1024 if args.max_decode_batch is None else args.max_decode_batch,
         weight_dtype=args.weight_dtype,
         kv_dtype=args.kv_dtype,
     )

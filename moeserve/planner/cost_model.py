@@ -41,13 +41,23 @@ class OpCost:
 
 @dataclass(frozen=True)
 class Rank:
-    """What one rank of a layout gets of the hardware, and the dtypes it runs."""
+    """What one rank of a layout gets of the hardware, and the dtypes it runs.
+
+    ``colocated``: instances of this layout that share the same nodes (this one included),
+    e.g. three one-rank instances on one host. Their ranks split each device as the ranks of
+    one oversubscribed instance do (every instance busy: the loaded case).
+    """
 
     hw: HardwareProfile
     layout: Layout
     weight_dtype: str
     compute_dtype: str
     kv_dtype: str
+    colocated: int = 1
+
+    def __post_init__(self) -> None:
+        if self.colocated < 1:
+            raise ValueError(f"colocated must be >= 1, got {self.colocated}")
 
     @classmethod
     def of(
@@ -57,6 +67,7 @@ class Rank:
         weight_dtype: str | None = None,
         compute_dtype: str | None = None,
         kv_dtype: str | None = None,
+        colocated: int = 1,
     ) -> Rank:
         sw = hw.software
         return cls(
@@ -65,19 +76,25 @@ class Rank:
             weight_dtype or sw.weight_dtype,
             compute_dtype or sw.compute_dtype,
             kv_dtype or sw.kv_dtype,
+            colocated,
         )
+
+    @property
+    def ranks_on_node(self) -> int:
+        """Ranks on this rank's node: its instance's and those of the colocated instances."""
+        return self.layout.ranks_per_node * self.colocated
 
     @property
     def share(self) -> float:
         """Ranks that share one device (more ranks than devices on a node: oversubscribed)."""
-        return max(1.0, self.layout.ranks_per_node / self.hw.devices)
+        return max(1.0, self.ranks_on_node / self.hw.devices)
 
     @property
     def cpu_share(self) -> float:
         """Host-side slowdown of Python and control work when ranks outnumber the cores."""
         if self.hw.kind != "cpu":
             return 1.0
-        return max(1.0, self.layout.ranks_per_node / (self.hw.devices * self.hw.device.cores))
+        return max(1.0, self.ranks_on_node / (self.hw.devices * self.hw.device.cores))
 
     @property
     def wbytes(self) -> float:
@@ -306,7 +323,7 @@ def collective_latency(
     per_step = (hw.intra_node.per_peer_us * local + hw.inter_node.per_peer_us * remote) / (n - 1)
     us = sw.collective_overhead_us + base + per_step * steps
     if hw.kind == "cpu":  # ranks beyond the cores wait to be scheduled at every collective
-        spare = rank.layout.ranks_per_node - hw.devices * hw.device.cores
+        spare = rank.ranks_on_node - hw.devices * hw.device.cores
         us += sw.oversubscription_us * max(0, spare)
     return us * 1e-6
 

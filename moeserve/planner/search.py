@@ -115,7 +115,7 @@ def prefill_plan(spec: ModelSpec, rank: Rank, w: Workload, prompts: int) -> Phas
     return PhasePlan(prompts, step, step.time_s, tps, mem)
 
 
-def _largest(make, limit: int, ok) -> PhasePlan | None:
+def largest_batch(make, limit: int, ok) -> PhasePlan | None:
     """The plan of the largest batch up to ``limit`` that ``ok`` accepts. Memory and latency
     grow with the batch, so: binary search over the powers of two, then over the integers
     between the best power and the next."""
@@ -151,7 +151,7 @@ def evaluate(spec: ModelSpec, hw: HardwareProfile, layout: Layout, w: Workload) 
     reasons = []
     tpot_s = w.tpot_ms / 1e3 if w.tpot_ms else float("inf")
     ttft_s = w.ttft_ms / 1e3 if w.ttft_ms else float("inf")
-    dec = _largest(
+    dec = largest_batch(
         lambda b: decode_plan(spec, rank, w, b),
         w.max_decode_batch,
         lambda p: p.memory.fits and p.latency_s <= tpot_s,
@@ -164,7 +164,7 @@ def evaluate(spec: ModelSpec, hw: HardwareProfile, layout: Layout, w: Workload) 
             else f"TPOT {one.latency_s * 1e3:.1f} ms at batch 1 > {w.tpot_ms} ms"
         )
     max_prompts = max(1, w.max_prefill_tokens // w.input_len)
-    pre = _largest(
+    pre = largest_batch(
         lambda n: prefill_plan(spec, rank, w, n),
         max_prompts,
         lambda p: p.memory.fits and p.latency_s <= ttft_s,

@@ -98,3 +98,8 @@ def profile():
 @pytest.fixture
 def tiny():
     return spec_from_config(dict(TINY_CONFIG), "tiny")
+
+
+@pytest.fixture
+def tiny_config():
+    return dict(TINY_CONFIG)

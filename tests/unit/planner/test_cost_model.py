@@ -318,3 +318,18 @@ def base_profile(raw):
 
     raw = dict(raw, device={k: v for k, v in raw["device"].items() if "prefill_attention" not in k})
     return profile_from_dict(raw)
+
+
+def test_colocated_instances_share_the_node(profile, tiny):
+    """Instances on one node split its devices as the ranks of one instance do: 3 one-rank
+    instances on the 2-device, 4-core profile are 1.5 ranks per device; 16 are twice the 8
+    cores."""
+    alone, three = Rank.of(profile, Layout()), Rank.of(profile, Layout(), colocated=3)
+    assert (alone.share, three.share, three.ranks_on_node) == (1.0, 1.5, 3)
+    assert three.bytes_per_s == alone.bytes_per_s / 1.5
+    assert Rank.of(profile, Layout(), colocated=16).cpu_share == 2.0
+    # the same share as one instance of three DP ranks on that node
+    dp3 = Rank.of(profile, Layout(dp=3))
+    assert three.flops_per_s == dp3.flops_per_s and three.memory_bytes == dp3.memory_bytes
+    with pytest.raises(ValueError, match="colocated must be >= 1"):
+        Rank.of(profile, Layout(), colocated=0)
