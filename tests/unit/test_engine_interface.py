@@ -38,6 +38,7 @@ def test_the_protocol_lists_the_request_api():
         "abort_request",
         "finish_sample",
         "has_unfinished_requests",
+        "set_disaggregation_mode",
         "step",
         "step_with_stats",
         "stats",
