@@ -51,15 +51,28 @@ def make_control(
     return None
 
 
+def check_switch(current_mode: str, new_mode: str) -> None:
+    """Raise ValueError unless an instance (or a rank) in ``current_mode`` may take the role
+    ``new_mode``: a colocated instance ("null") never switches, and the role must be
+    "prefill" or "decode" (the current one is allowed: a switch that changes nothing)."""
+    if current_mode == "null":
+        raise ValueError(
+            "this instance serves colocated: only one started with --disaggregation-mode "
+            "prefill or decode can switch roles"
+        )
+    if new_mode not in ("prefill", "decode"):
+        raise ValueError(f"the role must be 'prefill' or 'decode', got {new_mode!r}")
+
+
 def switch_control(control: Control, mode: str, model_dir: str) -> Control:
     """A control of role ``mode`` over the same ranks, in place of ``control``, which must
     have nothing in flight (the instance drained first: ``has_pending`` is False). The new
     one is made before the old one closes, so a failure (say, the bootstrap port of a new
     prefill role taken) leaves ``control`` serving; its counters carry over, as Prometheus
-    counters must never go down. Raises ValueError for a bad ``mode``, NotDrainedError for
-    a busy control."""
-    if mode not in ("prefill", "decode"):
-        raise ValueError(f"the role must be 'prefill' or 'decode', got {mode!r}")
+    counters must never go down. Returns ``control`` itself when it already has the role.
+    Raises ValueError for a bad ``mode`` (:func:`check_switch`), NotDrainedError for a busy
+    control."""
+    check_switch(control.role, mode)
     if mode == control.role:
         return control
     if control.has_pending():

@@ -26,11 +26,11 @@ from moeserve.core import (
     SamplingParams,
     Sequence,
 )
-from moeserve.disagg.connector import LocalConnector, NotDrainedError, moves_kv
-from moeserve.disagg.factory import make_local_connector, make_rank, switch_control
+from moeserve.disagg.connector import LocalConnector
 from moeserve.disagg.rank import KVRank
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.codec import SeqStepOutput
+from moeserve.engine.disagg_mode import DisaggMode, kv_heads
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
 from moeserve.engine.spec_setup import check_mtp_checkpoint, make_runner
@@ -44,8 +44,6 @@ from moeserve.ops.cpu.hugepages import move_to_huge_pages
 from moeserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-_CONNECTOR_WAIT_S = 0.002  # an idle step's wait for a bootstrap message or a transfer
 
 _GIB = 1 << 30
 _DEFAULT_KV_CAP_GB = 4.0
@@ -119,31 +117,27 @@ class LLMEngine:
             self.model.moe_blocks(), self.model.config, groups, config.eplb_options
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
-        # prefill/decode disaggregation: one process runs the protocol's control and its
-        # rank's transfers (kv_connector); a rank of an engine group only its transfers
-        # (kv_rank), the group's rank 0 runs the control (launch/engine_group.py)
-        options = config.disaggregation_options
-        self.disaggregation_mode = options.mode  # set_disaggregation_mode switches it
-        heads = self._kv_heads()
-        self.kv_connector: LocalConnector | None = None
-        if groups.dims.world_size == 1:
-            self.kv_connector = make_local_connector(
-                options, self.scheduler, self.kv_pool, config.model, *heads
-            )
-            self.kv_rank: KVRank | None = self.kv_connector.rank if self.kv_connector else None
-        else:
-            self.kv_rank = make_rank(options, self.scheduler, self.kv_pool, groups.rank, *heads)
+        # prefill/decode disaggregation: the role requests take and the transfer parts
+        # (engine/disagg_mode.py); a group's rank 0 runs its control (launch/group_disagg.py)
+        heads = kv_heads(self.model, self.model_config.num_key_value_heads)
+        self.disagg = DisaggMode(config, self.scheduler, self.kv_pool, groups, heads)
         self._finished_outside: list[Sequence] = []  # ended between steps, reported by the next
         self._log_ready(time.perf_counter() - t0)
 
-    def _kv_heads(self) -> tuple[int, int]:
-        """GQA: the first of the model's KV heads this rank's cache holds, and how many the
-        model has; (0, 0) for MLA's latent, the same on every rank."""
-        attn = self.model.layers[0].self_attn if len(self.model.layers) else None
-        head0 = getattr(attn, "kv_head0", None)
-        if head0 is None:
-            return 0, 0
-        return head0, self.model_config.num_key_value_heads
+    @property
+    def disaggregation_mode(self) -> str:
+        """The role new requests take: "null" (colocated), "prefill" or "decode"."""
+        return self.disagg.mode
+
+    @property
+    def kv_connector(self) -> LocalConnector | None:
+        """One process's KV-transfer control and rank (None colocated or on a group's rank)."""
+        return self.disagg.connector
+
+    @property
+    def kv_rank(self) -> KVRank | None:
+        """This rank's end of the KV transfers (None when colocated)."""
+        return self.disagg.rank
 
     def _load_model(self) -> None:
         """Load the weights (sets ``model``, ``model_config``, ``load_report``), move them to
@@ -271,7 +265,7 @@ class LLMEngine:
         With bootstrap fields (``params.kv_transfer``) on a prefill instance, the request
         computes its prompt's KV for a decode instance and ends with no token; on a decode
         instance it takes that KV and decodes (``moeserve/disagg/``)."""
-        role = self._kv_role(prompt_ids, params)
+        role = self.disagg.role_of(prompt_ids, params)
         seqs = [
             Sequence(
                 request_id=request_id,
@@ -287,36 +281,23 @@ class LLMEngine:
         ]
         # first, as it raises for a request id in use: nothing else holds the request yet
         self.outputs.add(request_id, prompt_text, prompt_ids, params, seqs)
-        if role is KVRole.LOCAL and self._is_prefill_side(params):
+        if role is KVRole.LOCAL and self.disagg.is_prefill_side(params):
             for seq in seqs:  # the decode side computes this one itself
                 seq.finish(FinishReason.LENGTH)
             self._finished_outside.extend(seqs)
             return
         registered = False
         try:
-            if role is not KVRole.LOCAL and self.kv_connector is not None:
-                self.kv_connector.on_add(request_id, params, prompt_ids)  # raises: room in use
-                registered = True
+            if role is not KVRole.LOCAL:  # raises: room in use
+                registered = self.disagg.on_add(request_id, params, prompt_ids)
             for seq in seqs:
                 self.scheduler.add(seq)
         except Exception:
             self.scheduler.abort(request_id)
             if registered:
-                self.kv_connector.on_abort(request_id)  # the connector forgets its room
+                self.disagg.on_abort(request_id)  # the connector forgets its room
             self.outputs.drop(request_id)
             raise
-
-    def _kv_role(self, prompt_ids: list[int], params: SamplingParams) -> KVRole:
-        mode = self.disaggregation_mode
-        if mode == "null" or not moves_kv(prompt_ids, params):
-            return KVRole.LOCAL
-        return KVRole.PREFILL if mode == "prefill" else KVRole.DECODE
-
-    def _is_prefill_side(self, params: SamplingParams) -> bool:
-        """A request with bootstrap fields on a prefill instance. One whose KV does not move
-        (a one-token prompt, prompt logprobs, n > 1) ends at once with no token: the decode
-        instance computes it all."""
-        return self.disaggregation_mode == "prefill" and params.kv_transfer is not None
 
     def set_disaggregation_mode(self, mode: str) -> dict:
         """Switch this instance between the prefill and decode roles (adaptive P/D): only
@@ -325,33 +306,8 @@ class LLMEngine:
         engine group only takes the role for the requests it is sent (its rank 0 switches
         the control: ``EngineGroup.set_disaggregation_mode``). Returns the new role's
         ``/server_info`` fields; ValueError says why it cannot switch (NotDrainedError: not
-        yet)."""
-        if self.disaggregation_mode == "null":
-            raise ValueError(
-                "this instance serves colocated: only one started with --disaggregation-mode "
-                "prefill or decode can switch roles"
-            )
-        if mode not in ("prefill", "decode"):
-            raise ValueError(f"the role must be 'prefill' or 'decode', got {mode!r}")
-        if self.kv_connector is not None:
-            if self.has_unfinished_requests():
-                raise NotDrainedError(self.busy_reason())
-            self.kv_connector.control = switch_control(
-                self.kv_connector.control, mode, self.config.model
-            )
-        if mode != self.disaggregation_mode:
-            logger.info("switched from the %s role to %s", self.disaggregation_mode, mode)
-        self.disaggregation_mode = mode
-        return self.kv_connector.info() if self.kv_connector is not None else {}
-
-    def busy_reason(self) -> str:
-        """What keeps this instance from switching roles (the drain is not over)."""
-        sched = self.scheduler
-        return (
-            f"not drained: {sched.num_running} running, {sched.num_waiting} waiting, "
-            f"{sched.num_parked} parked sequence(s), KV transfers in flight: "
-            f"{self.kv_connector is not None and self.kv_connector.has_pending()}"
-        )
+        yet). ``DisaggMode.switch`` does it."""
+        return self.disagg.switch(mode, drained=not self.has_unfinished_requests())
 
     def validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -379,18 +335,16 @@ class LLMEngine:
         (those a KV transfer may still touch, once it cannot: ``moeserve/disagg/``)."""
         self.scheduler.abort(request_id)
         self.outputs.drop(request_id)
-        if self.kv_connector is not None:
-            self.kv_connector.on_abort(request_id)
+        self.disagg.on_abort(request_id)
 
     def apply_kv_commands(self, cmds: dict) -> None:
         """An engine group's rank: apply the control's commands (``disagg/rank.py``) before
         the step, which reports the sequences they ended."""
-        if self.kv_rank is not None and cmds:
-            self._finished_outside += self.kv_rank.apply(cmds)
+        self._finished_outside += self.disagg.apply(cmds)
 
     def kv_events(self) -> dict:
         """An engine group's rank: what its scheduler parked and its transfers did."""
-        return self.kv_rank.events() if self.kv_rank is not None else {}
+        return self.disagg.events()
 
     def finish_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
         """End one sample of a request with finish reason ``stop`` (its caller found a stop
@@ -402,8 +356,7 @@ class LLMEngine:
             self.scheduler.has_unfinished()
             or self.outputs.has_pending
             or bool(self._finished_outside)
-            or (self.kv_connector is not None and self.kv_connector.has_pending())
-            or (self.kv_rank is not None and self.kv_rank.sending)
+            or self.disagg.has_pending()
         )
 
     def eplb_command(self, action: str, path: str | None = None) -> dict:
@@ -438,10 +391,7 @@ class LLMEngine:
         closes its KV-transfer connector; it holds nothing else to release."""
         if self.eplb is not None and self.config.expert_stats_out:
             self.eplb.dump()
-        if self.kv_connector is not None:
-            self.kv_connector.close()
-        elif self.kv_rank is not None:
-            self.kv_rank.close()
+        self.disagg.close()
 
     def stats(self, self_check: bool = True) -> dict:
         """This replica's queues, KV cache and prefix-cache counters, the tokens routed to each
@@ -453,11 +403,7 @@ class LLMEngine:
         stats = {
             "num_running": self.scheduler.num_running,
             "num_parked": self.scheduler.num_parked,
-            "disaggregation": (
-                {"role": self.kv_connector.role, **self.kv_connector.stats.to_json()}
-                if self.kv_connector is not None
-                else None
-            ),
+            "disaggregation": self.disagg.stats(),
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": bm.usage,
@@ -487,12 +433,12 @@ class LLMEngine:
             self.eplb.on_step()  # count expert load; move experts during a re-placement
         ended = self._take_finished_outside()
         batch = self.scheduler.schedule()
-        ended += self._poll_connector()  # decode side: ask for what the schedule parked
+        ended += self.disagg.poll()  # decode side: ask for what the schedule parked
         if batch is None:
             if self.run_empty_when_idle:
                 self.runner.run_empty()
-            elif not ended and self.kv_connector is not None and self.kv_connector.has_pending():
-                self.kv_connector.wait(_CONNECTOR_WAIT_S)  # nothing to compute: KV in flight
+            elif not ended:
+                self.disagg.wait_for_transfers()  # nothing to compute: KV may be in flight
             return self.outputs.process(ended)  # samples finished between steps
         results: list[SeqStepOutput] = self.runner.run(batch)
         self.outputs.record_prompt_logprobs(batch, results)
@@ -500,17 +446,14 @@ class LLMEngine:
         if self.config.speculative_num_tokens:
             spec = [(r.more_token_ids, r.more_logprobs, r.draft_token_ids) for r in results]
         updated = self.scheduler.update(batch, [(r.token_id, r.logprobs) for r in results], spec)
-        ended += self._poll_connector()  # prefill side: send what the step computed at once
+        ended += self.disagg.poll()  # prefill side: send what the step computed at once
         return self.outputs.process(updated + ended)
 
     def _take_finished_outside(self) -> list[Sequence]:
         """Sequences that ended between steps (no-op prefill requests) and what the
         connector finished or heard since the last step."""
         ended, self._finished_outside = self._finished_outside, []
-        return ended + self._poll_connector()
-
-    def _poll_connector(self) -> list[Sequence]:
-        return self.kv_connector.poll() if self.kv_connector is not None else []
+        return ended + self.disagg.poll()
 
     def step_with_stats(self) -> tuple[list[RequestOutput], dict]:
         """:meth:`step`, then :meth:`stats` without the self-check."""

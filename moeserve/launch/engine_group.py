@@ -38,14 +38,13 @@ import torch.distributed as dist
 
 from moeserve.config import EngineConfig
 from moeserve.core import PromptType, RequestOutput, SamplingParams
-from moeserve.disagg.connector import Control, NotDrainedError, RankInfo, moves_kv
-from moeserve.disagg.factory import make_control, switch_control
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.objects import all_gather_json, broadcast_json
 from moeserve.engine import codec
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.scheduler import QueueFullError
 from moeserve.eplb.balancer import run_command
+from moeserve.launch.group_disagg import KV_MODE, GroupDisagg, send_mode
 from moeserve.launch.group_stats import merge_stats
 from moeserve.launch.liveness import RankMonitor, announce_api, wait_for_ranks_to_leave
 from moeserve.launch.spec import LaunchSpec
@@ -55,8 +54,6 @@ logger = logging.getLogger(__name__)
 STEP, STOP, INFO, STATS, PING = "step", "stop", "info", "stats", "ping"
 _GRACE_S = 10.0  # after a failure, how long the caller may take to close the group itself
 EPLB = "eplb"  # {cmd: eplb, action: rebalance | dump | status, path}: every rank, at once
-KV_MODE = "kv_mode"  # {cmd: kv_mode, mode: prefill | decode}: the role of requests from now on
-_KV_WAIT_S = 0.002  # a step with nothing but KV in flight waits this long for a message
 
 
 def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[RequestOutput]:
@@ -107,6 +104,7 @@ def rank_info(engine: LLMEngine, groups: ParallelGroups) -> dict:
         "kv_cache_bytes": engine.kv_pool.num_bytes,
         "unfinished": engine.has_unfinished_requests(),
         "kv_transfer": engine.kv_rank.describe() if engine.kv_rank is not None else None,
+        "disaggregation_mode": engine.disaggregation_mode,
     }
 
 
@@ -130,7 +128,7 @@ def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
             answer = run_command(engine.eplb, msg["action"], msg.get("path"), groups.world)
             all_gather_json(answer, groups.world)
             continue
-        if msg["cmd"] == KV_MODE:
+        if msg["cmd"] == KV_MODE:  # launch/group_disagg.send_mode
             engine.set_disaggregation_mode(msg["mode"])
             continue
         outputs = run_step(engine, groups, msg)
@@ -193,19 +191,10 @@ class EngineGroup:
         )
         self._keeper.start()
         # prefill/decode disaggregation: the protocol's control runs here, each rank's
-        # transfers on that rank; commands ride on the step broadcast, events on its gather
-        self.kv_control: Control | None = None
-        self._kv_cmds: dict = {}
+        # transfers on that rank (launch/group_disagg.py)
+        self.disagg = GroupDisagg(self.config.model)
         if self.config.disaggregation_options.enabled:
-            self.kv_control = self._make_kv_control()
-
-    def _make_kv_control(self) -> Control:
-        """The control over every rank's pool (each rank's describe, from an INFO gather)."""
-        infos = [
-            RankInfo(r["rank"], r["dp_rank"], r["tp_rank"], **r["kv_transfer"])
-            for r in self.rank_info()
-        ]
-        return make_control(self.config.disaggregation_options, infos, self.config.model)
+            self.disagg.start(self.config.disaggregation_options, self.rank_info())
 
     # what LLM and the CLI read from an engine
     @property
@@ -237,8 +226,7 @@ class EngineGroup:
             raise QueueFullError(
                 f"every DP replica has {cap} or more unfinished sequences; retry later"
             )
-        if self.kv_control is not None and moves_kv(ids, params):
-            self.kv_control.on_add(request_id, params, ids)  # raises for a room in use
+        self.disagg.on_add(request_id, params, ids)  # raises for a room in use
         self._adds.append(
             {
                 "id": request_id,
@@ -259,8 +247,7 @@ class EngineGroup:
             self._adds.remove(pending[0])
         else:
             self._aborts.append(request_id)
-        if self.kv_control is not None:
-            self.kv_control.on_abort(request_id)
+        self.disagg.on_abort(request_id)
         self._forget(request_id)
 
     def finish_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
@@ -270,9 +257,7 @@ class EngineGroup:
             self._finishes.append((request_id, index, stop_reason))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._replica_of) or (
-            self.kv_control is not None and self.kv_control.has_pending()
-        )
+        return bool(self._replica_of) or self.disagg.has_pending()
 
     def step(self) -> list[RequestOutput]:
         return self._step(with_stats=False)[0]
@@ -285,17 +270,17 @@ class EngineGroup:
 
     def _with_kv_stats(self, stats: dict) -> dict:
         """The group's stats with its KV transfers' counters (the control's)."""
-        c = self.kv_control
-        stats["disaggregation"] = {"role": c.role, **c.stats.to_json()} if c else None
+        stats["disaggregation"] = self.disagg.stats()
         return stats
 
     def _step(self, with_stats: bool) -> tuple[list[RequestOutput], list[dict]]:
         msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts, "finish": self._finishes}
         if with_stats:
             msg["stats"] = True
-        if self._kv_cmds:
-            msg["kv"] = self._kv_cmds
-        self._adds, self._aborts, self._finishes, self._kv_cmds = [], [], [], {}
+        kv_cmds = self.disagg.take_commands()
+        if kv_cmds:
+            msg["kv"] = kv_cmds
+        self._adds, self._aborts, self._finishes = [], [], []
 
         def take_step() -> tuple[list[RequestOutput], list[dict], list[dict]]:
             broadcast_json(msg, self.groups.world, 0)
@@ -307,10 +292,7 @@ class EngineGroup:
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
-        if self.kv_control is not None:
-            self._kv_cmds = self.kv_control.poll(kv_events)
-            if not outputs and not self._kv_cmds and self.kv_control.has_pending():
-                self.kv_control.wait(_KV_WAIT_S)  # nothing but KV in flight
+        self.disagg.poll(kv_events, idle=not outputs)
         return outputs, per_rank
 
     def stats(self, self_check: bool = True) -> dict:
@@ -348,23 +330,11 @@ class EngineGroup:
         """Switch the group between the prefill and decode roles (``LLMEngine.
         set_disaggregation_mode``): only with no request and no transfer in flight; the
         control here is replaced, and every rank takes the role for the requests of the
-        steps after. Returns the new role's ``/server_info`` fields; ValueError says why not."""
-        if self.kv_control is None:
-            raise ValueError(
-                "this instance serves colocated: only one started with --disaggregation-mode "
-                "prefill or decode can switch roles"
-            )
-        if self._replica_of:
-            raise NotDrainedError(f"not drained: {len(self._replica_of)} request(s) in the group")
-        self.kv_control = switch_control(self.kv_control, mode, self.config.model)
-        msg = {"cmd": KV_MODE, "mode": mode}
-
-        def everywhere() -> None:
-            broadcast_json(msg, self.groups.world, 0)
-            self.engine.set_disaggregation_mode(mode)
-
-        self._collective(everywhere)
-        return self.kv_control.info()
+        steps after (``{cmd: kv_mode}``: ``group_disagg.send_mode``). Returns the new role's
+        ``/server_info`` fields; ValueError says why not (NotDrainedError: not yet)."""
+        self.disagg.switch(mode, len(self._replica_of))
+        self._collective(lambda: send_mode(self.engine, self.groups, mode))
+        return self.disagg.info()
 
     def keepalive(self) -> None:
         """Wake the workers without a step (their wait for rank 0's next message is a
@@ -490,8 +460,7 @@ class EngineGroup:
     def _close(self, kill: bool) -> None:
         self.closed = True
         atexit.unregister(self.shutdown)
-        if self.kv_control is not None:
-            self.kv_control.close()
+        self.disagg.close()
         self._stopping.set()  # the keep-alive thread never waits for the lock, so this joins
         if self._keeper is not threading.current_thread():
             self._keeper.join()
