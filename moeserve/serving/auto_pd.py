@@ -207,31 +207,38 @@ class AutoPD:
             )
 
     def switch(self, worker: Worker, to: str) -> Switch:
-        """Move ``worker`` to role ``to`` (module docstring); on failure it serves in its
-        old role again."""
+        """Move ``worker`` to role ``to`` (module docstring). On failure it is registered
+        again in the role it then has: its old one when the instance refused or never
+        answered the switch, the new one when it switched but its registration failed (a
+        second try)."""
         t0 = self.clock()
-        self.http.delete(f"{self.router_url}/workers/{worker.id}").raise_for_status()
-        if not self._wait_listed(worker.url, None):
-            logger.warning("auto-pd: the router still lists %s after its removal", worker.url)
+        role, port = worker.role, worker.bootstrap_port  # what the instance serves as now
         error = None
         try:
+            self.http.delete(f"{self.router_url}/workers/{worker.id}").raise_for_status()
+            if not self._wait_listed(worker.url, None):
+                logger.warning("auto-pd: the router still lists %s after its removal", worker.url)
             r = self.http.post(
                 f"{worker.url}/admin/disaggregation/role",
                 json={"mode": to, "drain_timeout_s": self.options.drain_timeout_s},
                 timeout=self.options.drain_timeout_s + 30,
             )
             if r.status_code == 200:
-                self._register(worker.url, to, r.json().get("disaggregation_bootstrap_port"))
+                role, port = to, r.json().get("disaggregation_bootstrap_port")
+                self._register(worker.url, to, port)
             else:
                 error = f"HTTP {r.status_code}: {_message(r)}"
-        except (httpx.HTTPError, RuntimeError) as e:
+        except (httpx.HTTPError, RuntimeError, ValueError) as e:  # ValueError: a bad JSON
             error = f"{type(e).__name__}: {e}"
         if error is not None:
-            logger.error("auto-pd: %s stays %s: %s", worker.url, worker.role, error)
+            logger.error(
+                "auto-pd: moving %s from %s to %s failed (%s); registering it as %s",
+                worker.url, worker.role, to, error, role,
+            )  # fmt: skip
             try:
-                self._register(worker.url, worker.role, worker.bootstrap_port)
+                self._register(worker.url, role, port)
             except (httpx.HTTPError, RuntimeError) as e:
-                logger.error("auto-pd: could not register %s again: %s", worker.url, e)
+                logger.error("auto-pd: could not register %s as %s: %s", worker.url, role, e)
         switch = Switch(worker.url, worker.role, to, error is None, self.clock() - t0, error)
         if switch.ok:
             logger.info(

@@ -4,6 +4,8 @@ import httpx
 import openai
 import pytest
 
+from moeserve.demo import demo_model_path
+from tests.e2e.pd_compare import Deployment, deploy, stop_all
 from tests.e2e.server import API_KEY, RunningServer, start_server
 
 
@@ -36,3 +38,26 @@ def http(server) -> httpx.Client:
 @pytest.fixture()
 def model(client) -> str:
     return client.models.list().data[0].id
+
+
+# -- prefill/decode deployments, shared by the test_pd_*.py files ---------------------------------
+
+
+@pytest.fixture(scope="package")
+def pd_demo() -> Deployment:
+    """A colocated, a prefill and a decode instance on the demo model (DeepSeek-V3 layout)."""
+    d = deploy(str(demo_model_path()))
+    yield d
+    stop_all(d.instances)
+
+
+@pytest.fixture(scope="package")
+def pd_qwen(tmp_path_factory) -> Deployment:
+    """The same three instances on a tiny Qwen3-MoE checkpoint (GQA)."""
+    from tests.checkpoints import build_hf_model, save_hf_checkpoint
+
+    path = tmp_path_factory.mktemp("ckpt") / "qwen3-moe-tiny"
+    save_hf_checkpoint(build_hf_model("qwen3_moe"), path)
+    d = deploy(str(path))
+    yield d
+    stop_all(d.instances)

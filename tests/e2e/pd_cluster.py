@@ -1,5 +1,5 @@
 """Prefill, decode and colocated ``moeserve serve`` instances, and ``moeserve router`` in front
-of them, for the prefill/decode disaggregation tests (``test_pd_router.py``).
+of them, for the prefill/decode disaggregation tests (``test_pd_*.py``).
 
 Every instance runs float32 on one thread with ``--enable-debug-endpoints``, so its outputs can
 be compared with a colocated server's and its blocks checked through ``/debug/engine``.
@@ -64,18 +64,23 @@ def colocated_args(model: str, *extra: str) -> tuple[str, ...]:
 
 
 def prefill_args(model: str, *extra: str) -> tuple[str, ...]:
-    port = str(free_port())
-    return (
-        *colocated_args(model, *extra),
-        "--disaggregation-mode",
-        "prefill",
-        "--disaggregation-bootstrap-port",
-        port,
-    )
+    return _role_args("prefill", model, *extra)
 
 
 def decode_args(model: str, *extra: str) -> tuple[str, ...]:
-    return (*colocated_args(model, *extra), "--disaggregation-mode", "decode")
+    """A decode instance's flags; its bootstrap port (free now, and not the shared default)
+    is the one it binds if adaptive P/D moves it to the prefill role."""
+    return _role_args("decode", model, *extra)
+
+
+def _role_args(role: str, model: str, *extra: str) -> tuple[str, ...]:
+    return (
+        *colocated_args(model, *extra),
+        "--disaggregation-mode",
+        role,
+        "--disaggregation-bootstrap-port",
+        str(free_port()),
+    )
 
 
 def start_servers(*arg_lists: Iterable[str]) -> list[RunningServer]:
@@ -168,7 +173,10 @@ class Router:
             return self.proc.wait(10)
 
 
-def router_command(prefill: Iterable[str], decode: Iterable[str], port: int) -> list[str]:
+def router_command(
+    prefill: Iterable[str], decode: Iterable[str], port: int, *extra: str
+) -> list[str]:
+    """``moeserve router`` in front of the URLs, with ``extra`` flags (e.g. ``--auto-pd``)."""
     return [
         sys.executable,
         "-m",
@@ -182,18 +190,22 @@ def router_command(prefill: Iterable[str], decode: Iterable[str], port: int) -> 
         str(port),
         "--wait-timeout",
         "30",
+        *extra,
     ]
 
 
 def start_router(
-    prefill: list[RunningServer], decode: list[RunningServer], timeout: float = 90.0
+    prefill: list[RunningServer],
+    decode: list[RunningServer],
+    *extra: str,
+    timeout: float = 90.0,
 ) -> Router:
-    """``moeserve router`` in front of the instances (in a process group of its own, with
-    sglang-router); returns once it logs that every worker is registered. A router that
-    finds its port taken (another process won the race for it) is started again on
-    another."""
+    """``moeserve router`` with the ``extra`` flags in front of the instances (in a process
+    group of its own, with sglang-router); returns once it logs that every worker is
+    registered. A router that finds its port taken (another process won the race for it) is
+    started again on another."""
     for _ in range(3):
-        router = _start_router(prefill, decode, timeout)
+        router = _start_router(prefill, decode, extra, timeout)
         if router.url:
             return router
         if "Address already in use" not in router.text():
@@ -201,8 +213,14 @@ def start_router(
     raise RuntimeError(f"moeserve router exited with {router.proc.returncode}:\n{router.text()}")
 
 
-def _start_router(prefill: list[RunningServer], decode: list[RunningServer], timeout: float):
-    cmd = router_command([s.url for s in prefill], [s.url for s in decode], free_port(span=2))
+def _start_router(
+    prefill: list[RunningServer],
+    decode: list[RunningServer],
+    extra: tuple[str, ...],
+    timeout: float,
+) -> Router:
+    port = free_port(span=2)
+    cmd = router_command([s.url for s in prefill], [s.url for s in decode], port, *extra)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -231,6 +249,12 @@ def _start_router(prefill: list[RunningServer], decode: list[RunningServer], tim
         time.sleep(0.1)
     router.stop()
     raise RuntimeError(f"moeserve router was not ready in {timeout}s:\n{router.text()}")
+
+
+def router_workers(router: Router) -> dict[str, bool]:
+    """Each instance the router lists (its URL) and whether the router counts it healthy."""
+    listed = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
+    return {w["url"].rstrip("/"): w["is_healthy"] for w in listed}
 
 
 def engine_stats(server: RunningServer) -> dict:
