@@ -14,10 +14,13 @@ from pathlib import Path
 import httpx
 
 
-def start_server(args: list[str], src: Path | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(
+    args: list[str], src: Path | None = None, cpus: set[int] | None = None
+) -> tuple[subprocess.Popen, str]:
     """``moeserve serve --port 0 ARGS``, from checkout ``src`` (its code on PYTHONPATH, run
-    in it) or this interpreter's; returns ``(process, url)`` once /health answers 200. Its
-    tracebacks and error lines go to this process's stderr."""
+    in it) or this interpreter's, on ``cpus`` (its CPU affinity, which the engine processes
+    it starts inherit; None: this process's); returns ``(process, url)`` once /health
+    answers 200. Its tracebacks and error lines go to this process's stderr."""
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", "0", "--log-level", "info"]
     env = None if src is None else dict(os.environ, PYTHONPATH=str(src))
     proc = subprocess.Popen(
@@ -27,6 +30,7 @@ def start_server(args: list[str], src: Path | None = None) -> tuple[subprocess.P
         text=True,
         env=env,
         cwd=src,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
     found: dict[str, str] = {}
 
