@@ -102,8 +102,8 @@ def burst_config(args: argparse.Namespace, url: str, model: str, seed: int) -> S
 async def mixed(
     streams: ServingBenchConfig, bursts: ServingBenchConfig, delay_s: float
 ) -> tuple[BenchmarkResult, BenchmarkResult, float]:
-    """Both loads at once, the bursts from ``delay_s`` after the streams; also returns when
-    the last burst ended, in seconds after the streams started."""
+    """Both loads at once, the bursts from ``delay_s`` after the streams; also returns the
+    seconds both took together."""
     t0 = time.perf_counter()
 
     async def later() -> BenchmarkResult:

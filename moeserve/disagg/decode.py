@@ -7,7 +7,8 @@ as a target (its session and pool layout; under tensor parallelism each rank nee
 latent, or its own KV heads), the block ids (the same on every rank of a replica), the
 checkpoint's and the prompt's digests. On ``done`` every rank of the replica runs the last
 prompt token (the step that samples the first output token, as after a prefix-cache hit) and
-decodes it as any other.
+decodes it as any other; when ``done`` names the heads of the prefill ranks, the KV came
+packed from another tensor-parallel split and each rank first unpacks it (``regroup.py``).
 
 Nothing waits forever: the prefill side renews each room it still works on every second
 (``waiting``); a room not renewed within the transfer timeout fails, and so does every room
@@ -28,6 +29,7 @@ import zmq
 
 from moeserve.core import SamplingParams
 from moeserve.disagg import bootstrap as b
+from moeserve.disagg import regroup
 from moeserve.disagg.connector import LATE_WRITE_GRACE_S, Control
 from moeserve.disagg.layout import PoolLayout, transfer_bytes
 
@@ -159,13 +161,30 @@ class DecodeControl(Control):
             return
         del self.pending[room]
         if op == b.DONE:
+            sources = msg.get("sources")
+            problem = None if sources is None else self._check_sources(sources)
+            if problem:
+                self._fail(p, f"the prefill instance sent packed KV heads {problem}", now, False)
+                return
             self.stats.observe(now - p.asked, p.num_bytes, p.num_tokens)
+            if sources is not None:  # its heads came packed: unpacked before the step
+                self._cmd("unpack", [p.request_id, sources])
             self._cmd("arrived", p.request_id)
         elif op == b.FAILED:
             reason = str(msg.get("reason", "the prefill instance failed the transfer"))
             self._fail(p, reason, now, late=bool(msg.get("late_writes")))
         else:  # CANCELLED, unasked: it dropped the request before writing any of it
             self._fail(p, "the prefill instance dropped the request", now, late=False)
+
+    def _check_sources(self, sources) -> str | None:
+        """Why the head ranges of a packed ``done`` cannot be unpacked here (None: they can)."""
+        try:
+            ranges = [(int(a), int(n)) for a, n in sources]
+            for info in self.ranks:
+                regroup.route(PoolLayout.from_json(info.layout), ranges)
+        except (TypeError, ValueError) as e:
+            return f"{sources!r} that this instance cannot unpack: {e}"
+        return None
 
     def _on_disconnect(self, peer: b.Peer, now: float) -> None:
         reason = f"the prefill instance at {peer[0]}:{peer[1]} disconnected"

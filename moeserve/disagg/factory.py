@@ -37,7 +37,8 @@ def make_rank(
     # (benchmarks/pd_transfer.py)
     for cache in pool.caches:
         cache.fill_(0)
-    return KVRank(options, scheduler, pool_layout(pool, head_start, total_heads), rank)
+    layout = pool_layout(pool, head_start, total_heads)
+    return KVRank(options, scheduler, layout, rank, pool.caches)
 
 
 def make_control(

@@ -13,12 +13,13 @@ id starts a new run).
 
 GQA holds ``[2, kv_heads, head_dim]`` per token, the heads split over tensor-parallel ranks.
 When both sides hold the same heads the slots move whole, as for MLA. When they split the
-heads differently (prefill TP2, decode TP1, say) each source pool writes the heads the two
-have in common into the destination: per token, one write for K and one for V (adjacent
-tokens do not merge, since the destination's heads of one token are not next to the next
-token's). :func:`plan_writes` returns the source and destination addresses and lengths for
-one transfer engine batch; :func:`copy_reference` does the same copy with torch indexing
-(the oracle of the tests).
+heads differently (prefill TP2, decode TP1, say) :func:`plan_writes` writes the heads the two
+have in common straight into the destination: per token, one write for K and one for V
+(adjacent tokens do not merge, since the destination's heads of one token are not next to
+the next token's), ``2 * tokens * layers`` writes. The ranks do not send those:
+``regroup.py`` moves the same bytes in a few writes per layer. :func:`plan_writes` returns
+the source and destination addresses and lengths for one transfer engine batch;
+:func:`copy_reference` does the same copy with torch indexing (the oracle of the tests).
 """
 
 from __future__ import annotations
@@ -184,11 +185,11 @@ def transfer_bytes(src: PoolLayout, dst: PoolLayout, num_tokens: int) -> int:
     return max(0, hi - lo) * src.head_bytes * 2 * num_tokens * layers
 
 
-def _slot(table: Sequence[int], block_size: int, t: int) -> int:
+def slot_of(table: Sequence[int], block_size: int, t: int) -> int:
     return table[t // block_size] * block_size + t % block_size
 
 
-def _runs(
+def slot_runs(
     src_table: Sequence[int],
     dst_table: Sequence[int],
     block_size_src: int,
@@ -200,18 +201,39 @@ def _runs(
     runs: list[tuple[int, int, int]] = []
     t = 0
     while t < num_tokens:
-        s0, d0 = _slot(src_table, block_size_src, t), _slot(dst_table, block_size_dst, t)
+        s0, d0 = slot_of(src_table, block_size_src, t), slot_of(dst_table, block_size_dst, t)
         n = 1
         # extend within both current blocks, then across blocks whose ids follow on
         while t + n < num_tokens:
-            s = _slot(src_table, block_size_src, t + n)
-            d = _slot(dst_table, block_size_dst, t + n)
+            s = slot_of(src_table, block_size_src, t + n)
+            d = slot_of(dst_table, block_size_dst, t + n)
             if s != s0 + n or d != d0 + n:
                 break
             n += 1
         runs.append((s0, d0, n))
         t += n
     return runs
+
+
+def check_tables(
+    src: PoolLayout,
+    dst: PoolLayout,
+    src_table: Sequence[int],
+    dst_table: Sequence[int],
+    num_tokens: int,
+) -> None:
+    """Raise ValueError when the pools are incompatible or a block table is too short for
+    ``num_tokens`` tokens or names a block outside its pool."""
+    check_compatible(src, dst)
+    for name, table, layout in (("source", src_table, src), ("destination", dst_table, dst)):
+        need = -(-num_tokens // layout.block_size)
+        if len(table) < need:
+            raise ValueError(
+                f"the {name} holds {len(table)} blocks, fewer than {need} for {num_tokens} tokens"
+            )
+        bad = [b for b in table[:need] if not 0 <= b < layout.num_blocks]
+        if bad:
+            raise ValueError(f"the {name}'s block {bad[0]} is outside its pool")
 
 
 def plan_writes(
@@ -226,20 +248,11 @@ def plan_writes(
     only the heads both pools hold (``src`` writes its share; the other shares come from the
     other source ranks). Raises ValueError when the pools are incompatible or a table is too
     short."""
-    check_compatible(src, dst)
-    for name, table, layout in (("source", src_table, src), ("destination", dst_table, dst)):
-        need = -(-num_tokens // layout.block_size)
-        if len(table) < need:
-            raise ValueError(
-                f"the {name} holds {len(table)} blocks, fewer than {need} for {num_tokens} tokens"
-            )
-        bad = [b for b in table[:need] if not 0 <= b < layout.num_blocks]
-        if bad:
-            raise ValueError(f"the {name}'s block {bad[0]} is outside its pool")
+    check_tables(src, dst, src_table, dst_table, num_tokens)
     srcs: list[int] = []
     dsts: list[int] = []
     lengths: list[int] = []
-    runs = _runs(src_table, dst_table, src.block_size, dst.block_size, num_tokens)
+    runs = slot_runs(src_table, dst_table, src.block_size, dst.block_size, num_tokens)
     same_heads = src.kind == MLA or (
         src.head_start == dst.head_start and src.num_heads == dst.num_heads
     )
@@ -280,8 +293,8 @@ def copy_reference(
     num_tokens: int,
 ) -> None:
     """What :func:`plan_writes`' batch does, with torch indexing: the tests' oracle."""
-    s_slots = torch.tensor([_slot(src_table, src.block_size, t) for t in range(num_tokens)])
-    d_slots = torch.tensor([_slot(dst_table, dst.block_size, t) for t in range(num_tokens)])
+    s_slots = torch.tensor([slot_of(src_table, src.block_size, t) for t in range(num_tokens)])
+    d_slots = torch.tensor([slot_of(dst_table, dst.block_size, t) for t in range(num_tokens)])
     for s_cache, d_cache in zip(src_caches, dst_caches):
         if src.kind == MLA:
             d_cache[d_slots] = s_cache[s_slots]

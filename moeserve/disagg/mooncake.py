@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 _STALL_S = 5  # Mooncake's progress timeout at most
 # writes per engine call: 0.3.13 answers -1 at once for 4096, and its TCP lanes reject
 # writes when their queue is full ("TCP lane queue-full rejection") from a few thousand
-# queued at once, so a batch with more (GQA's per-token writes when the two sides split
-# heads differently) is sent in parts, one after the other
+# queued at once, so a batch with more (runs of fragmented blocks, times the layers) is sent
+# in parts, one after the other
 MAX_WRITES = 256
 PENDING, DONE, FAILED = 0, 1, -1  # a batch's states (:meth:`MooncakeTransport.status`)
 # batches run one at a time per peer, on a thread of that peer's own (a peer that stops

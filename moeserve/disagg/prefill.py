@@ -9,13 +9,14 @@ of its replica once its prompt is computed, and the decode instance's ``want`` (
 write: every rank of the decode replica that holds the request, its blocks, its session).
 With both, a ``send`` command has the replica's ranks write (``rank.py``): MLA's latent is the
 same on every tensor-parallel rank, so the decode ranks are shared out over the prefill
-ranks; a GQA decode rank's heads come from the prefill rank that holds the same heads (both
-sides need the same tensor-parallel split: the regrouping writes of ``layout.plan_writes``,
-one per token, stalled Mooncake's TCP transport when two prefill ranks wrote into one
-decode rank, so that case is refused with the reason). When every writer's batch has
-completed, ``done`` goes to the decode instance and the sequence finishes (``length``, no
-tokens), which ends its HTTP request. Whatever does not arrive within the transfer timeout
-(the want, the request, the batches' completion) fails the room on both sides.
+ranks; a GQA decode rank's heads come from the prefill rank that holds the same heads, or,
+between different tensor-parallel splits (``regroup.py``), from the one rank that holds them
+all (it gathers them into a staging buffer) or from the ranks that each hold part of them
+(they write packed into the decode blocks, and ``done`` names their heads so the decode
+ranks unpack them). When every writer's batch has completed, ``done`` goes to the decode
+instance and the sequence finishes (``length``, no tokens), which ends its HTTP request.
+Whatever does not arrive within the transfer timeout (the want, the request, the batches'
+completion) fails the room on both sides.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import zmq
 
 from moeserve.core import SamplingParams
 from moeserve.disagg import bootstrap as b
+from moeserve.disagg import regroup
 from moeserve.disagg.connector import Control, RankInfo
 from moeserve.disagg.layout import MLA, PoolLayout, check_compatible, transfer_bytes
 from moeserve.disagg.mooncake import DONE, FAILED
@@ -62,6 +64,7 @@ class _Transfer:
     num_bytes: int
     results: dict[int, int] = field(default_factory=dict)  # rank -> DONE | FAILED
     abandoned: bool = False  # the request was aborted while the batches ran
+    sources: list | None = None  # GQA heads of the writers, when a target gets them packed
 
 
 class PrefillControl(Control):
@@ -245,7 +248,7 @@ class PrefillControl(Control):
             self._end(room, reason)
             return
         try:
-            writers, num_bytes = self._assign(
+            writers, num_bytes, sources = self._assign(
                 self.replicas[r.replica], msg["targets"], r.num_tokens
             )
         except ValueError as e:
@@ -264,19 +267,22 @@ class PrefillControl(Control):
                 "writers": {str(k): v for k, v in writers.items()},
             },
         )
-        self.transfers[room] = _Transfer(want, set(writers), now, num_bytes)
+        self.transfers[room] = _Transfer(want, set(writers), now, num_bytes, sources=sources)
 
     @staticmethod
     def _assign(
         sources: list[RankInfo], targets: list[dict], num_tokens: int
-    ) -> tuple[dict[int, list[int]], int]:
-        """Which source rank writes into which target (rank -> target indexes), and the
-        bytes all of it moves. MLA: the targets shared out over the sources in turn. GQA:
-        each target from the source that holds the same heads (the same tensor-parallel
-        split on both sides; ValueError otherwise)."""
+    ) -> tuple[dict[int, list[int]], int, list | None]:
+        """Which source rank writes into which target (rank -> target indexes), the bytes
+        all of it moves, and the sources' GQA head ranges when a target gets its heads
+        packed (the decode side unpacks them; None otherwise). MLA: the targets shared out
+        over the sources in turn. GQA: ``regroup.route``; ValueError when the heads cannot
+        be regrouped."""
         writers: dict[int, list[int]] = {}
         total = 0
+        packed = False
         src_layouts = [PoolLayout.from_json(s.layout) for s in sources]
+        ranges = regroup.head_ranges(src_layouts)
         for i, t in enumerate(targets):
             dst = PoolLayout.from_json(t["layout"])
             if dst.kind == MLA:
@@ -284,22 +290,17 @@ class PrefillControl(Control):
                 writers.setdefault(sources[k].rank, []).append(i)
                 total += transfer_bytes(src_layouts[k], dst, num_tokens)
                 continue
-            same = [
-                (s, src)
-                for s, src in zip(sources, src_layouts)
-                if (src.head_start, src.num_heads) == (dst.head_start, dst.num_heads)
-            ]
-            if not same:
-                raise ValueError(
-                    f"the decode rank holds KV heads [{dst.head_start}, "
-                    f"{dst.head_start + dst.num_heads}) and no prefill rank holds exactly "
-                    "those: start prefill and decode with the same --tp for a GQA model "
-                    "(regrouping heads between different splits is not supported yet)"
+            how, used = regroup.route(dst, ranges)
+            packed |= how == regroup.PACK
+            for head_range in used:  # the first rank holding each range writes it
+                k = next(
+                    k
+                    for k, src in enumerate(src_layouts)
+                    if (src.head_start, src.num_heads) == head_range
                 )
-            s, src = same[0]
-            writers.setdefault(s.rank, []).append(i)
-            total += transfer_bytes(src, dst, num_tokens)
-        return writers, total
+                writers.setdefault(sources[k].rank, []).append(i)
+                total += transfer_bytes(src_layouts[k], dst, num_tokens)
+        return writers, total, [list(r) for r in ranges] if packed else None
 
     def _check_transfers(self, now: float) -> None:
         for room, t in list(self.transfers.items()):
@@ -322,7 +323,10 @@ class PrefillControl(Control):
                 continue
             if done:
                 self.stats.observe(now - t.started, t.num_bytes, r.num_tokens)
-                self.server.send(t.want.ident, {"op": b.DONE, "room": room})
+                msg = {"op": b.DONE, "room": room}
+                if t.sources is not None:
+                    msg["sources"] = t.sources
+                self.server.send(t.want.ident, msg)
                 self._end(room, None)
                 continue
             late = True  # a failed or late batch's other writes may still be landing

@@ -15,6 +15,9 @@ outputs (``launch/engine_group.py``), and one process passes them by hand
         free      [request id]                         free a quarantined sequence's blocks
         send      [{id, room, blocks, num_tokens, targets: [{session, layout}],
                     writers: {rank: [target index]}}]  write a prompt's KV to a decode replica
+        unpack    [[request id, [[head, heads]]]]      before arrived: the KV came packed from
+                                                       prefill ranks with those GQA heads
+                                                       (``regroup.py``)
 
     every rank -> control  events, after a step
         parked       [{id, room, blocks}]    what its scheduler parked (replica leaders count)
@@ -25,14 +28,51 @@ outputs (``launch/engine_group.py``), and one process passes them by hand
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence as Seq
+
+import torch
 
 from moeserve.config import DisaggregationOptions
 from moeserve.core import FinishReason, Sequence, SequenceStatus
-from moeserve.disagg.layout import PoolLayout, plan_writes
+from moeserve.disagg import regroup
+from moeserve.disagg.layout import GQA, PoolLayout, Writes, check_tables, plan_writes
 from moeserve.disagg.mooncake import DONE, FAILED, MooncakeTransport
 from moeserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+_MIN_STAGING_BYTES = 1 << 20
+
+
+class StagingBuffers:
+    """Registered host buffers a rank gathers KV into before writing it (``regroup.GATHER``).
+
+    A buffer serves one transfer at a time: :meth:`take` hands out the smallest free one
+    that fits, or registers a new one (a power of two of at least 1 MiB, its pages faulted
+    in); :meth:`give_back` returns it once its batch completed. A buffer whose batch failed
+    is retired, never reused (a write of it may still be on the wire). All are unregistered
+    with the transport, at its close."""
+
+    def __init__(self, transport: MooncakeTransport) -> None:
+        self.transport = transport
+        self.free: list[torch.Tensor] = []
+        self.retired: list[torch.Tensor] = []
+        self.num_registered = 0
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        fits = [b for b in self.free if b.numel() >= num_bytes]
+        if fits:
+            buf = min(fits, key=lambda b: b.numel())
+            self.free.remove(buf)
+            return buf
+        size = max(_MIN_STAGING_BYTES, 1 << (num_bytes - 1).bit_length())
+        buf = torch.zeros(size, dtype=torch.uint8)
+        self.transport.register([buf.data_ptr()], [size])
+        self.num_registered += 1
+        return buf
+
+    def give_back(self, bufs: Seq[torch.Tensor], reusable: bool) -> None:
+        (self.free if reusable else self.retired).extend(bufs)
 
 
 class KVRank:
@@ -44,15 +84,21 @@ class KVRank:
         scheduler: Scheduler,
         layout: PoolLayout,
         rank: int = 0,
+        caches: Seq[torch.Tensor] = (),
     ) -> None:
+        """``caches``: the pool's per-layer tensors (``layout`` describes them), which GQA
+        needs to regroup heads between different tensor-parallel splits (``regroup.py``)."""
         self.scheduler = scheduler
         self.layout = layout
+        self.caches = list(caches)
         self.rank = rank
         self.transport = MooncakeTransport(
             options.host, options.ib_device, options.transfer_timeout_s
         )
         self.transport.register(layout.layer_addrs, layout.pool_bytes)
+        self.staging = StagingBuffers(self.transport)
         self._batches: dict[int, list[int]] = {}  # room -> this rank's batches for it
+        self._staged: dict[int, list[torch.Tensor]] = {}  # room -> its staging buffers
         self._failed: set[int] = set()  # rooms whose writes could not even start here
 
     def describe(self) -> dict:
@@ -84,6 +130,7 @@ class KVRank:
                 transfers[room] = DONE
             else:
                 continue
+            self.staging.give_back(self._staged.pop(room, ()), transfers[room] == DONE)
             logger.debug("room %d: rank %d's batches ended: %s", room, self.rank, states)
             del self._batches[room]
         out: dict = {}
@@ -107,6 +154,12 @@ class KVRank:
             return []
         sched = self.scheduler
         ended: list[Sequence] = []
+        for request_id, sources in cmds.get("unpack", ()):
+            seq = self._parked(request_id)
+            if seq is not None:
+                regroup.unpack(
+                    self.caches, self.layout, sources, seq.block_table, seq.num_prompt_tokens - 1
+                )
         for request_id in cmds.get("arrived", ()):
             seq = self._parked(request_id)
             if seq is not None:
@@ -154,15 +207,12 @@ class KVRank:
             self._failed.add(room)
             return
         batches = []
+        staged: list[torch.Tensor] = []
         try:
             for i in mine:
                 target = send["targets"][i]
-                writes = plan_writes(
-                    self.layout,
-                    PoolLayout.from_json(target["layout"]),
-                    seq.block_table,
-                    send["blocks"],
-                    send["num_tokens"],
+                writes = self._plan(
+                    PoolLayout.from_json(target["layout"]), seq.block_table, send, staged
                 )
                 if len(writes):
                     batches.append(
@@ -176,8 +226,11 @@ class KVRank:
             )
             # batches already started still run: the control tells the decode side that
             # writes may land late (it quarantines those blocks)
+            self.staging.give_back(staged, reusable=False)
             self._failed.add(room)
             return
+        if staged:
+            self._staged[room] = staged
         self._batches[room] = batches
         logger.debug(
             "room %d: rank %d started %d batch(es) to %s",
@@ -186,3 +239,32 @@ class KVRank:
             len(batches),
             [send["targets"][i]["session"] for i in mine],
         )
+
+    def _plan(self, dst: PoolLayout, table: list[int], send: dict, staged: list) -> Writes:
+        """This rank's writes into ``dst``, by how its heads relate to the destination's
+        (``regroup.py``): the same (or MLA) whole slots; more, gathered into a staging buffer
+        (appended to ``staged``); fewer, packed (the control sent the decode side the
+        ``sources`` to unpack them)."""
+        n, blocks, src = send["num_tokens"], send["blocks"], self.layout
+        check_tables(src, dst, table, blocks, n)
+        lo, hi = dst.head_start, dst.head_start + dst.num_heads
+        mine_lo, mine_hi = src.head_start, src.head_start + src.num_heads
+        if src.kind != GQA or (mine_lo, mine_hi) == (lo, hi):
+            return plan_writes(src, dst, table, blocks, n)
+        if lo <= mine_lo and mine_hi <= hi:
+            return regroup.plan_packed_writes(src, dst, table, blocks, n)
+        if not (mine_lo <= lo and hi <= mine_hi):
+            raise ValueError(
+                f"this rank holds KV heads [{mine_lo}, {mine_hi}), neither within nor around "
+                f"the decode rank's [{lo}, {hi})"
+            )
+        if not self.caches:
+            raise ValueError("this rank was not given its pool's tensors to gather KV heads from")
+        shape = regroup.staging_shape(src, dst, n)
+        dtype = self.caches[0].dtype
+        num_bytes = dtype.itemsize * torch.Size(shape).numel()
+        buf = self.staging.take(num_bytes)
+        staged.append(buf)
+        out = buf[:num_bytes].view(dtype).view(shape)
+        regroup.gather(self.caches, src, dst, table, n, out)
+        return regroup.plan_gathered_writes(out.data_ptr(), dst, blocks, n)

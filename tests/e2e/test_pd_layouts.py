@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation between instances of different parallel layouts
 (``test_pd_router.py`` has the setting): the KV moves from each prefill rank into the decode
-rank that holds the same heads, and every output is the colocated one. (slow)
+rank that holds the same heads (or, for GQA heads split differently, regrouped on the way:
+``disagg/regroup.py``), and every output is the colocated one. (slow)
 """
 
 from __future__ import annotations
@@ -54,11 +55,21 @@ def test_prefill_tp2_into_decode_ep2_matches_colocated(pd_demo):
         assert_same(g, want, f"TP2 -> EP2 stream {i}")
 
 
+GQA_LAYOUTS = {
+    "tp2-tp2": (("--tp", "2"), ("--tp", "2")),  # each decode rank's heads from one prefill rank
+    "tp2-tp1": (("--tp", "2"), ()),  # packed from both prefill ranks, unpacked on the decode rank
+    "tp1-tp2": ((), ("--tp", "2")),  # gathered into a staging buffer on the prefill rank
+    "tp2-ep2": (("--tp", "2"), ("--ep", "2")),  # into DP-attention replicas holding every head
+}
+
+
 @pytest.mark.slow
-def test_gqa_tp2_into_tp2_matches_colocated(pd_qwen):
-    """Each decode rank's KV heads come from the prefill rank that holds the same heads."""
+@pytest.mark.parametrize("layouts", list(GQA_LAYOUTS.values()), ids=list(GQA_LAYOUTS))
+def test_gqa_between_head_splits_matches_colocated(pd_qwen, layouts):
+    """A GQA model's KV heads regrouped between prefill and decode instances that split them
+    differently (``disagg/regroup.py``), or moved whole when they split them alike."""
     path = json.loads(httpx.get(f"{pd_qwen.colocated.url}/server_info", timeout=10).text)
-    got, prompts = layout_outputs(pd_qwen, ("--tp", "2"), ("--tp", "2"), path["model_path"])
+    got, prompts = layout_outputs(pd_qwen, *layouts, path["model_path"])
     for i, (g, p) in enumerate(zip(got, prompts, strict=True)):
         want = complete(pd_qwen.colocated.url, pd_qwen.model, p, stream=False, max_tokens=16)
-        assert_same(g, want, f"GQA TP2 -> TP2 stream {i}")
+        assert_same(g, want, f"GQA {layouts} stream {i}")
