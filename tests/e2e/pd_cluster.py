@@ -274,6 +274,9 @@ def idle_problems(stats: dict) -> list[str]:
             problems.append(f"{key} {stats[key]}")
     if stats["integrity"] != "ok":
         problems.append(f"integrity: {stats['integrity']}")
+    if problems:  # what the instance is and what its transfers did, to tell a leak from a lag
+        d = stats.get("disaggregation") or {}
+        problems.append(f"role {d.get('role', 'colocated')}, transfers {d}")
     return problems
 
 
