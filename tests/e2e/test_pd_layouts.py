@@ -37,6 +37,8 @@ def layout_outputs(d: Deployment, prefill_extra: tuple, decode_extra: tuple, pat
         router = pc.start_router([prefill], [decode])
         try:
             got = concurrent_streams(router.url, d.model, prompts)
+        except Exception as e:  # the router's view of the workers says why a request failed
+            raise AssertionError(f"{e!r}; the router's log:\n{router.text()[-4000:]}") from e
         finally:
             router.stop()
         pc.wait_idle([prefill, decode])
