@@ -189,6 +189,11 @@ def slot_of(table: Sequence[int], block_size: int, t: int) -> int:
     return table[t // block_size] * block_size + t % block_size
 
 
+def slot_index(table: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """The pool slot of each of tokens ``[0, num_tokens)``, as an index tensor."""
+    return torch.tensor([slot_of(table, block_size, t) for t in range(num_tokens)])
+
+
 def slot_runs(
     src_table: Sequence[int],
     dst_table: Sequence[int],
@@ -293,8 +298,8 @@ def copy_reference(
     num_tokens: int,
 ) -> None:
     """What :func:`plan_writes`' batch does, with torch indexing: the tests' oracle."""
-    s_slots = torch.tensor([slot_of(src_table, src.block_size, t) for t in range(num_tokens)])
-    d_slots = torch.tensor([slot_of(dst_table, dst.block_size, t) for t in range(num_tokens)])
+    s_slots = slot_index(src_table, src.block_size, num_tokens)
+    d_slots = slot_index(dst_table, dst.block_size, num_tokens)
     for s_cache, d_cache in zip(src_caches, dst_caches):
         if src.kind == MLA:
             d_cache[d_slots] = s_cache[s_slots]

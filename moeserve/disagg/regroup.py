@@ -37,7 +37,15 @@ from collections.abc import Sequence
 
 import torch
 
-from moeserve.disagg.layout import GQA, PoolLayout, Writes, check_tables, slot_of, slot_runs
+from moeserve.disagg.layout import (
+    GQA,
+    PoolLayout,
+    Writes,
+    check_tables,
+    slot_index,
+    slot_of,
+    slot_runs,
+)
 
 SLOTS, GATHER, PACK = "slots", "gather", "pack"
 
@@ -98,7 +106,7 @@ def gather(
         raise ValueError("the source does not hold every head of the destination")
     if out.shape != staging_shape(src, dst, num_tokens) or out.dtype != src_caches[0].dtype:
         raise ValueError(f"the staging tensor is {out.dtype}{list(out.shape)}, not as the pools")
-    slots = torch.tensor([slot_of(src_table, src.block_size, t) for t in range(num_tokens)])
+    slots = slot_index(src_table, src.block_size, num_tokens)
     for cache, o in zip(src_caches, out):
         torch.index_select(cache[:, :, a:b], 0, slots, out=o)
 
@@ -184,7 +192,7 @@ def unpack(
     if how != PACK:
         return
     n, hd = num_tokens, dst.token_shape[2]
-    slots = torch.tensor([slot_of(dst_table, dst.block_size, t) for t in range(n)])
+    slots = slot_index(dst_table, dst.block_size, n)
     for cache in dst_caches:
         flat = cache.index_select(0, slots).reshape(-1)  # the region, in token order
         for a, h in tiles:
