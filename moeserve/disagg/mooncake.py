@@ -8,13 +8,23 @@ then writes a request's KV straight from its blocks into the decode instance's r
 blocks in one batch (:meth:`MooncakeTransport.submit`), and polls it (:meth:`status`)
 between engine steps, so no step waits on the network.
 
-The batch runs as ``batch_transfer_sync_write`` on a worker thread (the binding releases the
-GIL while it waits), not as ``batch_transfer_async_write``: with 0.3.13's TCP transport,
-``transfer_check_status`` answered "completed" for half of the batches of a test (8 writes of
-512 KiB, 200 rounds) while their bytes were still landing, up to 20 ms later, so a decode
-instance told "done" computed on a partly written prompt (``get_batch_transfer_status``
-frees the batch when it completes, and a second call aborts the process). The synchronous
-call returns after the peer acknowledged every write: the same test saw no early answer.
+Each write of a batch is a Mooncake batch of its own (``transfer_submit_write``), and a worker
+thread per peer polls them with ``transfer_check_status`` and short sleeps until every one
+has landed. The binding offers nothing better for a batch of writes:
+
+- ``transfer_check_status`` answers for the first task of a batch only, so a batch of several
+  writes read "completed" while its larger writes were still landing (and a decode instance
+  told "done" computed on part of a prompt); for a batch of one write it is exact.
+- ``batch_transfer_sync_write`` and ``get_batch_transfer_status`` are exact, but wait by
+  spinning on the status without sleeping: a core per sending rank at 100% for the whole
+  transfer. On this 2-core host two prefill ranks sending at once starved everything else,
+  the decode instance's receiving thread included, so transfers stalled for seconds and
+  timed out (a plain process sleeping in a loop on the same host missed its wake-ups for up
+  to 29 s).
+
+A write counts as done once the peer has applied it (0.3.13's TCP transport waits for the
+peer's acknowledgement frame; RDMA for the completion), so "done" means every byte is in
+place.
 
 Mooncake ships as ``mooncake-transfer-engine-non-cuda`` on PyPI; its shared library links
 Debian's ``libibverbs1``, ``librdmacm1`` and ``libnuma1`` even for TCP
@@ -25,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -35,18 +44,17 @@ from moeserve.platform import UNPINNED_CPUS_ENV
 
 logger = logging.getLogger(__name__)
 
-_STALL_S = 5  # Mooncake's progress timeout at most
-# writes per engine call: 0.3.13 answers -1 at once for 4096, and its TCP lanes reject
-# writes when their queue is full ("TCP lane queue-full rejection") from a few thousand
-# queued at once, so a batch with more (runs of fragmented blocks, times the layers) is sent
-# in parts, one after the other
+# writes in flight per peer at once: Mooncake's TCP lanes reject writes when their queue is
+# full ("TCP lane queue-full rejection") from a few thousand queued at once
 MAX_WRITES = 256
 PENDING, DONE, FAILED = 0, 1, -1  # a batch's states (:meth:`MooncakeTransport.status`)
+# the worker thread's sleep between polls of its writes' states while a batch is in flight:
+# from _POLL_MIN_S, doubling to _POLL_MAX_S while nothing lands (adds at most ~2 ms)
+_POLL_MIN_S, _POLL_MAX_S = 1e-4, 2e-3
+_RESEND_PAUSE_S = 0.05  # before a write that failed is sent again
 # batches run one at a time per peer, on a thread of that peer's own (a peer that stops
-# answering holds only its own queue). With the engine's threads pinned to a rank's cores,
-# beside its compute, about 1 batch in 50 stalled until Mooncake's timeout ("no status frame
-# within 30s") on this 2-core host; the threads now run unpinned, and a batch that stalls
-# anyway fails after a short progress timeout and is sent again
+# answering holds only its own queue); the threads run on the CPUs the process had before it
+# was pinned, not on the rank's cores beside its compute
 
 _SYSTEM_LIBS = "libibverbs1 librdmacm1 libnuma1"
 
@@ -102,20 +110,15 @@ class MooncakeTransport:
 
     def __init__(self, host: str, ib_device: str | None = None, timeout_s: float = 30.0) -> None:
         """Start the engine on ``host`` (the address peers reach this process at): TCP, or
-        RDMA on ``ib_device`` (e.g. ``mlx5_0``). A batch that makes no progress for
-        ``min(5, timeout_s / 3)`` seconds (Mooncake's ``MC_TRANSFER_TIMEOUT``, unless set) is
-        sent again until ``timeout_s`` has passed. Raises RuntimeError when it cannot
-        start."""
-        # Mooncake's timeout counts seconds without progress: a stalled batch fails after it
-        # and is sent again (the same bytes to the same place) while the deadline allows
-        self.stall_s = max(1, math.ceil(min(_STALL_S, timeout_s / 3)))
+        RDMA on ``ib_device`` (e.g. ``mlx5_0``). A batch whose writes have not all landed
+        within ``timeout_s`` fails (a write that fails sooner is sent again meanwhile).
+        Raises RuntimeError when it cannot start."""
         self.timeout_s = timeout_s
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(self.stall_s))
         engine_cls = _import_engine()
         self.engine = engine_cls()
         self.protocol = "rdma" if ib_device else "tcp"
         # the engine's threads start here and inherit this thread's CPUs: not the rank's
-        # pinned cores, where its compute threads starve them (batches stalled for seconds)
+        # pinned cores, where its compute threads would delay them
         with _unpinned():
             rc = self.engine.initialize(host, "P2PHANDSHAKE", self.protocol, ib_device or "")
         if rc != 0:
@@ -126,6 +129,9 @@ class MooncakeTransport:
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
         self._registered: list[int] = []
         self._queues: dict[str, ThreadPoolExecutor] = {}  # peer session -> its thread
+        # peer -> writes given up on at a batch's deadline and maybe still on the wire: the
+        # engine frees a write's state only once it ended, so the peer's thread asks again
+        self._abandoned: dict[str, list[int]] = {}
 
     def register(self, addrs: Sequence[int], sizes: Sequence[int]) -> None:
         """Register memory the peers may write into or this process writes from (once)."""
@@ -145,22 +151,58 @@ class MooncakeTransport:
         return queue.submit(self._write, peer, list(srcs), list(dsts), list(lengths))
 
     def _write(self, peer: str, srcs: list, dsts: list, lengths: list) -> int:
+        """Every write as a Mooncake batch of one, at most MAX_WRITES in flight; 0 once all
+        landed, -1 when one could not be sent or the deadline passed first."""
         _unpin_this_thread()
+        self._forget_ended(peer)
         deadline = time.monotonic() + self.timeout_s
-        for i in range(0, len(srcs), MAX_WRITES):  # the engine refuses larger batches
-            part = slice(i, i + MAX_WRITES)
-            while True:
-                rc = self.engine.batch_transfer_sync_write(
-                    peer, srcs[part], dsts[part], lengths[part]
-                )
-                if rc == 0:
+        in_flight: dict[int, int] = {}  # Mooncake batch id -> index of its write
+        waiting = list(range(len(srcs)))[::-1]  # to send, the next one last
+        pause, refused = _POLL_MIN_S, False
+        while waiting or in_flight:
+            while waiting and len(in_flight) < MAX_WRITES:
+                i = waiting[-1]
+                batch = self.engine.transfer_submit_write(peer, srcs[i], dsts[i], lengths[i])
+                if not batch:  # the peer's segment could not be opened, or the submit failed
+                    if not refused:
+                        logger.warning("%s refused a KV write: trying again", peer)
+                    refused = True
                     break
-                if time.monotonic() + self.stall_s > deadline:
-                    return rc
-                logger.warning(
-                    "a KV transfer batch to %s failed (code %d): sending it again", peer, rc
-                )
+                in_flight[batch] = waiting.pop()
+            landed = False
+            for batch, i in list(in_flight.items()):
+                # 1 done, -1 failed (the engine then frees the batch), 0 pending, -2 timed out
+                # in the transport (not freed: kept to ask again)
+                state = self.engine.transfer_check_status(batch)
+                if state == 0:
+                    continue
+                del in_flight[batch]
+                landed = True
+                if state == -2:
+                    self._abandoned.setdefault(peer, []).append(batch)
+                if state < 0:
+                    logger.warning(
+                        "a KV write to %s failed (code %d): sending it again", peer, state
+                    )
+                    waiting.append(i)
+                    time.sleep(_RESEND_PAUSE_S)
+            if time.monotonic() > deadline:
+                self._abandoned.setdefault(peer, []).extend(in_flight)
+                return -1
+            if landed:
+                pause = _POLL_MIN_S
+            elif waiting and not in_flight:  # nothing could be sent: try again a bit later
+                time.sleep(_RESEND_PAUSE_S)
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
         return 0
+
+    def _forget_ended(self, peer: str) -> None:
+        """Ask the engine about writes given up on earlier, so it frees those that ended."""
+        abandoned = self._abandoned.get(peer)
+        if abandoned:
+            abandoned[:] = [b for b in abandoned if self.engine.transfer_check_status(b) in (0, -2)]
 
     def status(self, batch: Future) -> int:
         """PENDING, DONE (every byte acknowledged by the peer) or FAILED."""
