@@ -62,7 +62,9 @@ logger = logging.getLogger(__name__)
 def start_engine(config: EngineConfig) -> Engine:
     dims = config.parallel_dims
     external = detect_external(os.environ)
-    if external is None and dims.world_size == 1:
+    if dims.world_size == 1 and (external is None or external.world_size == 1):
+        # one rank, whoever started it (a one-task srun step too): no group to run, and the
+        # engine runs its prefill/decode control itself (a group would start a second one)
         return LLMEngine(config)
     layout = f"--tp {dims.tp} --dp {dims.dp} --pp {dims.pp}" + (
         " --enable-expert-parallel" if dims.enable_expert_parallel else ""

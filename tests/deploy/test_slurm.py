@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from moeserve.demo import write_demo_model
 from tests.deploy.slurm_cluster import (
@@ -22,8 +24,10 @@ from tests.deploy.slurm_cluster import (
     free_port,
     running_cluster,
 )
+from tests.e2e import pd_cluster as pc
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "moeserve.sbatch"
+PD_SCRIPT = SCRIPT.with_name("moeserve-pd.sbatch")
 _BASE_URL = re.compile(r"OpenAI base URL: (\S+)")
 _READY_TIMEOUT_S = 240
 
@@ -105,6 +109,72 @@ def test_sbatch_serves_the_api_and_scancel_ends_every_process(cluster, model_dir
         f"the job took {took:.1f}s to end after scancel, KillWait is {KILL_WAIT_S}s: a rank did "
         f"not end on SIGTERM\n{_report(cluster, job, output)}"
     )
+
+
+def test_pd_sbatch_serves_through_the_router_and_scancel_ends_every_process(cluster, model_dir):
+    """moeserve-pd.sbatch on one node: a prefill and a decode instance (srun steps) and the
+    router; a chat through the printed base URL moves its KV from the prefill instance to the
+    decode instance; scancel ends every process cleanly before KillWait."""
+    instance_port = pc.free_port(span=2)
+    env = {
+        "MOESERVE_PYTHON": sys.executable,
+        "MOESERVE_PORT": str(pc.free_port(span=2)),  # the router's, and + 1 for its metrics
+        "MOESERVE_INSTANCE_PORT": str(instance_port),  # prefill-0, decode-0 on the next one
+        "MOESERVE_BOOTSTRAP_PORT": str(pc.free_port()),
+        "MOESERVE_HEALTH_TIMEOUT": str(_READY_TIMEOUT_S),
+    }
+    sub = cluster.run(
+        *("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1"),
+        f"--output={cluster.root}/moeserve-pd-%j.out",
+        *(str(PD_SCRIPT), "--model", str(model_dir), "--threads", "1"),
+        env=env,
+    )
+    assert sub.returncode == 0, f"sbatch failed: {sub.stderr}\n{cluster.logs()}"
+    job = sub.stdout.strip().split(";")[0]
+    output = cluster.root / f"moeserve-pd-{job}.out"
+    try:
+        base_url = _wait_for_base_url(cluster, job, output)
+        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello from Slurm, disaggregated"}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert reply.usage.completion_tokens > 0, reply
+        # the decode instance (instance 1) got the prompt's KV from the prefill instance
+        metrics = _metrics(f"http://127.0.0.1:{instance_port + 1}")
+        assert metrics["moeserve:disaggregation_role"] == {"decode": 1.0}
+        assert sum(metrics["moeserve:kv_transfers"].values()) >= 1, metrics
+    except Exception as e:
+        raise AssertionError(f"{e}\n{_report(cluster, job, output)}") from e
+    finally:
+        cancelled = time.monotonic()
+        cluster.run("scancel", job)
+
+    cluster.wait_job_gone(job, timeout=KILL_WAIT_S + 30)
+    took = time.monotonic() - cancelled
+    cluster.wait_processes_gone(job, timeout=15, marker=str(model_dir))
+    text = output.read_text(errors="replace")
+    assert "got SIGTERM" in text, _report(cluster, job, output)
+    for name in ("prefill-0", "decode-0", "router"):
+        assert f"{name} exited with code 0" in text, _report(cluster, job, output)
+    assert took < KILL_WAIT_S, (
+        f"the job took {took:.1f}s to end after scancel, KillWait is {KILL_WAIT_S}s\n"
+        f"{_report(cluster, job, output)}"
+    )
+
+
+def _metrics(url: str) -> dict[str, dict[str, float]]:
+    """An instance's /metrics: family name -> {role label or sample name: value}."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.labels.get("role", sample.name)
+            out.setdefault(family.name, {})[key] = sample.value
+    return out
 
 
 def _wait_for_base_url(cluster: SlurmCluster, job: str, output: Path) -> str:

@@ -114,3 +114,37 @@ def test_other_hosts_need_a_name_that_resolves():
     with pytest.raises(ValueError, match="does not resolve"):
         check_rendezvous(_spec(1, "no-such-host.invalid", 29500))
     check_rendezvous(_spec(1, "127.0.0.1", 29500))  # a route exists: the join decides
+
+
+def test_a_one_task_srun_step_runs_one_engine_that_binds_its_bootstrap_once(monkeypatch, tmp_path):
+    """A prefill instance started as a one-task srun step (deploy/slurm/moeserve-pd.sbatch):
+    the plain engine, not an engine group of one, whose control would bind the bootstrap
+    port a second time (it failed with "Address already in use")."""
+    from moeserve.engine.engine import LLMEngine
+    from moeserve.launch.start import start_engine
+    from tests.checkpoints import build_hf_model, save_hf_checkpoint
+
+    model = save_hf_checkpoint(build_hf_model("qwen3_moe"), tmp_path / "qwen")
+    one_task = {
+        **SLURM,
+        "SLURM_NTASKS": "1",
+        "SLURM_NNODES": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "1",
+        "SLURM_STEP_NODELIST": "localhost",
+        "MASTER_PORT": str(free_port()),
+    }
+    for key, value in one_task.items():
+        monkeypatch.setenv(key, value)
+    assert detect_external(one_task).world_size == 1
+    config = EngineConfig(
+        model=str(model),
+        dtype="float32",
+        disaggregation_mode="prefill",
+        disaggregation_bootstrap_port=free_port(),
+    )
+    engine = start_engine(config)
+    try:
+        assert type(engine) is LLMEngine
+        assert engine.disaggregation_mode == "prefill"
+    finally:
+        engine.shutdown()
