@@ -16,6 +16,10 @@ from moeserve.libc import die_with_parent
 logger = logging.getLogger("moeserve.supervisor")
 
 _POLL_S = 0.25  # between two checks of the child and of the stop flag
+# a repeat within this long of the first stop signal is the same stop delivered twice (Slurm's
+# scancel signals every process of a batch step, and the batch script passes it on too), not a
+# second request that forces the exit
+_REPEAT_S = 1.0
 
 
 class StopFlag:
@@ -24,7 +28,8 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.signum: int | None = None  # the first stop signal
-        self.count = 0  # a second one forces the exit
+        self.first_at: float | None = None  # when it came
+        self.count = 0  # a second one (_REPEAT_S or more later) forces the exit
 
     def sleep(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; returns whether a stop was asked for."""
@@ -50,8 +55,11 @@ class StopSignals:
         return self.stop
 
     def _handler(self, signum, frame) -> None:
+        now = time.monotonic()
         if self.stop.signum is None:
-            self.stop.signum = signum
+            self.stop.signum, self.stop.first_at = signum, now
+        elif now - self.stop.first_at < _REPEAT_S:
+            return  # the same stop delivered twice
         self.stop.count += 1
 
     def __exit__(self, *exc) -> None:

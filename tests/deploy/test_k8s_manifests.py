@@ -45,7 +45,8 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 def _load_documents() -> dict[str, dict]:
     docs = {}
-    for path in sorted(K8S_DIR.rglob("*.y*ml")):
+    # the top-level files only: deploy/k8s/pd/ is checked by test_k8s_pd.py
+    for path in sorted(K8S_DIR.glob("*.y*ml")):
         for i, doc in enumerate(yaml.load_all(path.read_text(), Loader=_Loader)):
             if doc is not None:
                 docs[f"{path.relative_to(K8S_DIR)}#{i}"] = doc
@@ -215,14 +216,21 @@ def named_ports(c: dict) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in c.get("ports", [])}
 
 
-def serve_args(c: dict):
-    """The container's arguments parsed by moeserve's CLI (the image's entrypoint is moeserve)."""
+def cli_args(c: dict, command: str):
+    """The container's arguments parsed by moeserve's CLI (the image's entrypoint is moeserve)
+    as ``command``."""
     assert "command" not in c, "a command would replace the image's entrypoint (tini, moeserve)"
     try:
         args = build_parser().parse_args(c["args"])
     except SystemExit:  # argparse printed why
         pytest.fail(f"moeserve's CLI rejects the container's args {c['args']}")
-    assert args.command == "serve"
+    assert args.command == command
+    return args
+
+
+def serve_args(c: dict):
+    """The container's ``serve`` arguments, with no topology flag (LWS's variables set it)."""
+    args = cli_args(c, "serve")
     defaults = build_parser().parse_args(["serve"])
     given = [f for f in TOPOLOGY_FLAGS if getattr(args, f) != getattr(defaults, f)]
     assert given == [], f"{given}: leave these to LeaderWorkerSet's variables (moeserve.launch.lws)"
@@ -361,17 +369,27 @@ _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?")
 _PORT_NAME = re.compile(r"(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*")
 
 
-def test_names_pass_the_api_servers_own_checks():
-    """What the schemas do not say: object names, label values and port names."""
-    labels, ports = [], []
-    for doc in DOCS.values():
-        assert _DNS_LABEL.fullmatch(doc["metadata"]["name"]), doc["metadata"]["name"]
+def naming_errors(docs, templates, extra_names=()) -> list[str]:
+    """What the schemas do not say: object names (and ``extra_names``, e.g. pod names) as DNS
+    labels, label values, port names; of ``docs`` and the pod ``templates``."""
+    names, labels, ports = [*extra_names], [], []
+    for doc in docs:
+        names.append(doc["metadata"]["name"])
         labels += doc["metadata"].get("labels", {}).values()
-    for _, template in pod_templates():
+    for template in templates:
         labels += template["metadata"]["labels"].values()
         ports += named_ports(container(template))
-    for service in (d for d in DOCS.values() if d["kind"] == "Service"):
+    for service in (d for d in docs if d["kind"] == "Service"):
         labels += service["spec"]["selector"].values()
         ports += [p["name"] for p in service["spec"]["ports"]]
-    assert [v for v in labels if not _LABEL_VALUE.fullmatch(v)] == []
-    assert [p for p in ports if not _PORT_NAME.fullmatch(p)] == []
+    return (
+        [f"name {n!r}" for n in names if not _DNS_LABEL.fullmatch(n)]
+        + [f"label value {v!r}" for v in labels if not _LABEL_VALUE.fullmatch(v)]
+        + [f"port name {p!r}" for p in ports if not _PORT_NAME.fullmatch(p)]
+    )
+
+
+def test_names_pass_the_api_servers_own_checks():
+    """What the schemas do not say: object names, label values and port names."""
+    templates = [template for _, template in pod_templates()]
+    assert naming_errors(DOCS.values(), templates) == []

@@ -65,50 +65,15 @@ def test_srun_starts_one_rank_per_task_and_only_rank_0_prints(cluster, model_dir
 
 def test_sbatch_serves_the_api_and_scancel_ends_every_process(cluster, model_dir):
     env = {
-        "MOESERVE_PYTHON": sys.executable,
         "MOESERVE_PORT": str(free_port()),
         "MASTER_PORT": str(free_port()),
-        "MOESERVE_HEALTH_TIMEOUT": str(_READY_TIMEOUT_S),
     }
-    sub = cluster.run(
-        *("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2"),
-        f"--output={cluster.root}/moeserve-%j.out",
-        *(str(SCRIPT), "--model", str(model_dir), "--ep", "2"),
-        env=env,
-    )
-    assert sub.returncode == 0, f"sbatch failed: {sub.stderr}\n{cluster.logs()}"
-    job = sub.stdout.strip().split(";")[0]
-    output = cluster.root / f"moeserve-{job}.out"
-    try:
-        base_url = _wait_for_base_url(cluster, job, output)
-        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        reply = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Hello from Slurm"}],
-            max_tokens=8,
-            temperature=0,
-        )
-        assert reply.usage.completion_tokens > 0, reply
-        assert reply.choices[0].message.content, reply
-    except Exception as e:
-        raise AssertionError(f"{e}\n{_report(cluster, job, output)}") from e
-    finally:
-        cancelled = time.monotonic()
-        cluster.run("scancel", job)
-
-    cluster.wait_job_gone(job, timeout=KILL_WAIT_S + 30)
-    took = time.monotonic() - cancelled
-    cluster.wait_processes_gone(job, timeout=15, marker=str(model_dir))
-    text = output.read_text(errors="replace")
+    job = _submit(cluster, SCRIPT, ["--ntasks-per-node=2"], ["--ep", "2"], env, model_dir)
+    text = _chat_then_cancel(cluster, job, model_dir, "Hello from Slurm")
     # the script got SIGTERM, passed it on and saw srun end: no rank needed KillWait's SIGKILL
-    assert "got SIGTERM" in text and "srun exited with code" in text, _report(cluster, job, output)
+    assert "got SIGTERM" in text and "srun exited with code" in text, text
     # ... and every rank stopped cleanly: the API drained, rank 1 waited for rank 0's stop
-    assert "srun exited with code 0" in text, _report(cluster, job, output)
-    assert took < KILL_WAIT_S, (
-        f"the job took {took:.1f}s to end after scancel, KillWait is {KILL_WAIT_S}s: a rank did "
-        f"not end on SIGTERM\n{_report(cluster, job, output)}"
-    )
+    assert "srun exited with code 0" in text, text
 
 
 def test_pd_sbatch_serves_through_the_router_and_scancel_ends_every_process(cluster, model_dir):
@@ -117,36 +82,62 @@ def test_pd_sbatch_serves_through_the_router_and_scancel_ends_every_process(clus
     decode instance; scancel ends every process cleanly before KillWait."""
     instance_port = pc.free_port(span=2)
     env = {
-        "MOESERVE_PYTHON": sys.executable,
         "MOESERVE_PORT": str(pc.free_port(span=2)),  # the router's, and + 1 for its metrics
         "MOESERVE_INSTANCE_PORT": str(instance_port),  # prefill-0, decode-0 on the next one
         "MOESERVE_BOOTSTRAP_PORT": str(pc.free_port()),
+    }
+    job = _submit(cluster, PD_SCRIPT, ["--ntasks-per-node=1"], ["--threads", "1"], env, model_dir)
+
+    def moved_kv() -> None:
+        # the decode instance (instance 1) got the prompt's KV from the prefill instance
+        metrics = _metrics(f"http://127.0.0.1:{instance_port + 1}")
+        assert metrics["moeserve:disaggregation_role"] == {"decode": 1.0}
+        assert sum(metrics["moeserve:kv_transfers"].values()) >= 1, metrics
+
+    text = _chat_then_cancel(cluster, job, model_dir, "Hello from Slurm, disaggregated", moved_kv)
+    assert "got SIGTERM" in text, text
+    for name in ("prefill-0", "decode-0", "router"):
+        assert f"{name} exited with code 0" in text, text
+
+
+def _submit(cluster, script, sbatch_flags, serve_flags, env, model_dir) -> tuple[str, Path]:
+    """sbatch ``script`` on one node with the demo model; returns the job id and its output
+    file."""
+    env = {
+        "MOESERVE_PYTHON": sys.executable,
         "MOESERVE_HEALTH_TIMEOUT": str(_READY_TIMEOUT_S),
+        **env,
     }
     sub = cluster.run(
-        *("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1"),
-        f"--output={cluster.root}/moeserve-pd-%j.out",
-        *(str(PD_SCRIPT), "--model", str(model_dir), "--threads", "1"),
+        *("sbatch", "--parsable", "--nodes=1", *sbatch_flags),
+        f"--output={cluster.root}/{script.stem}-%j.out",
+        *(str(script), "--model", str(model_dir), *serve_flags),
         env=env,
     )
     assert sub.returncode == 0, f"sbatch failed: {sub.stderr}\n{cluster.logs()}"
     job = sub.stdout.strip().split(";")[0]
-    output = cluster.root / f"moeserve-pd-{job}.out"
+    return job, cluster.root / f"{script.stem}-{job}.out"
+
+
+def _chat_then_cancel(cluster, submitted, model_dir, greeting, check=lambda: None) -> str:
+    """One greedy chat through the job's printed base URL (then ``check()``), scancel, and
+    the checks every job passes: it leaves the queue before KillWait (no process needed
+    SIGKILL) and leaves no process behind. Returns the job's output, with a report appended
+    for assertion messages."""
+    job, output = submitted
     try:
         base_url = _wait_for_base_url(cluster, job, output)
         client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": "Hello from Slurm, disaggregated"}],
+            messages=[{"role": "user", "content": greeting}],
             max_tokens=8,
             temperature=0,
         )
         assert reply.usage.completion_tokens > 0, reply
-        # the decode instance (instance 1) got the prompt's KV from the prefill instance
-        metrics = _metrics(f"http://127.0.0.1:{instance_port + 1}")
-        assert metrics["moeserve:disaggregation_role"] == {"decode": 1.0}
-        assert sum(metrics["moeserve:kv_transfers"].values()) >= 1, metrics
+        assert reply.choices[0].message.content, reply
+        check()
     except Exception as e:
         raise AssertionError(f"{e}\n{_report(cluster, job, output)}") from e
     finally:
@@ -156,14 +147,11 @@ def test_pd_sbatch_serves_through_the_router_and_scancel_ends_every_process(clus
     cluster.wait_job_gone(job, timeout=KILL_WAIT_S + 30)
     took = time.monotonic() - cancelled
     cluster.wait_processes_gone(job, timeout=15, marker=str(model_dir))
-    text = output.read_text(errors="replace")
-    assert "got SIGTERM" in text, _report(cluster, job, output)
-    for name in ("prefill-0", "decode-0", "router"):
-        assert f"{name} exited with code 0" in text, _report(cluster, job, output)
     assert took < KILL_WAIT_S, (
-        f"the job took {took:.1f}s to end after scancel, KillWait is {KILL_WAIT_S}s\n"
-        f"{_report(cluster, job, output)}"
+        f"the job took {took:.1f}s to end after scancel, KillWait is {KILL_WAIT_S}s: a process "
+        f"did not end on SIGTERM\n{_report(cluster, job, output)}"
     )
+    return output.read_text(errors="replace") + "\n" + _report(cluster, job, output)
 
 
 def _metrics(url: str) -> dict[str, dict[str, float]]:

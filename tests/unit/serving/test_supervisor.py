@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from moeserve.serving.supervisor import StopFlag, spawn, supervise, terminate
+from moeserve.serving.supervisor import StopFlag, StopSignals, spawn, supervise, terminate
 
 # a child that ignores SIGTERM and says so on stdout once it does
 _STUBBORN = [
@@ -51,3 +51,21 @@ def test_a_child_that_exits_gives_its_code_and_terminate_reaps():
     terminate(stubborn, stop_wait_s=0.3)
     assert stubborn.returncode == -signal.SIGKILL
     assert not StopFlag().sleep(0.05)
+
+
+def test_a_signal_delivered_twice_at_once_is_one_stop_and_a_later_one_forces(monkeypatch):
+    """scancel signals every process of a Slurm batch step and the batch script passes the
+    SIGTERM on as well: the router got it twice in a few ms and SIGKILLed sglang-router (exit
+    137) instead of letting it drain. A second signal a second or more later still forces."""
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    stop = StopFlag()
+    with StopSignals(stop) as flag:
+        handler = signal.getsignal(signal.SIGTERM)
+        handler(signal.SIGTERM, None)
+        now[0] += 0.01
+        handler(signal.SIGTERM, None)
+        assert (flag.signum, flag.count) == (signal.SIGTERM, 1)
+        now[0] += 1.5
+        handler(signal.SIGINT, None)
+        assert (flag.signum, flag.count) == (signal.SIGTERM, 2)
