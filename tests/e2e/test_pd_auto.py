@@ -31,7 +31,7 @@ from tests.e2e import pd_cluster as pc
 from tests.e2e.pd_compare import assert_same, complete, disagg_stats, model_name, stop_all, words
 from tests.e2e.server import RunningServer
 
-SLOTS = 4  # every instance's --max-num-seqs: 8 streams on one decode instance queue 4
+SLOTS = 4  # every instance's --max-num-seqs: 8 streams on one prefill instance queue 4
 AUTO_PD = (
     "--auto-pd",
     "--auto-pd-interval", "0.5",
@@ -244,7 +244,10 @@ def test_the_controller_moves_instances_as_the_load_changes(cluster):
 
     prefill = [s for s in c.instances if expected_roles(c)[s.url] == "prefill"]
     before = [disagg_stats(s)["transfers"] for s in prefill]
-    with Load(decode_heavy(c), workers=2 * SLOTS) as load:
+    # 12 streams of 128 tokens: the one decode instance keeps ~4 waiting behind its 4 slots (8
+    # streams of 64 tokens, before the transfers stopped spinning a core each, left it idle
+    # between bursts: its queue averaged under 2 and no switch came)
+    with Load(decode_heavy(c, max_tokens=128), workers=3 * SLOTS) as load:
         url, took = wait_move(c, "prefill", "decode", count=2)
     served = [disagg_stats(s)["transfers"] - n for s, n in zip(prefill, before, strict=True)]
     print(

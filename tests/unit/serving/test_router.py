@@ -30,6 +30,7 @@ from moeserve.serving.router import (
     normalize_worker_url,
     router_argv,
 )
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -338,7 +339,7 @@ def _pid_gone(pid: int, timeout: float) -> bool:
 
 
 def _start(p: _Worker, d: _Worker) -> tuple[_RouterProcess, int, int]:
-    port = _free_port()
+    port = free_port(span=2)  # the router's, and + 1 for its metrics
     r = _RouterProcess("--prefill", p.url, "--decode", d.url, "--port", str(port))
     started = r.wait_for("started sglang-router (pid ", timeout=15)
     child = int(started.split("(pid ")[1].split(")")[0])
@@ -384,7 +385,8 @@ def test_a_router_that_dies_ends_the_command_with_its_code():
 def test_a_signal_during_discovery_ends_the_command_at_once():
     closed = f"http://127.0.0.1:{_free_port()}"
     with _prefill(9197) as p:
-        r = _RouterProcess("--prefill", p.url, "--decode", closed, "--port", str(_free_port()))
+        port = free_port(span=2)
+        r = _RouterProcess("--prefill", p.url, "--decode", closed, "--port", str(port))
         try:
             r.wait_for("waiting up to 600 s for GET /server_info", timeout=15)
             r.proc.send_signal(signal.SIGTERM)
@@ -401,7 +403,7 @@ def test_a_busy_port_or_an_unknown_host_fails_before_discovery():
         with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}: Address"):
             router_mod.run_router(_options(port=port))
         with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}: Address"):
-            router_mod.run_router(_options(port=_free_port(), prometheus_port=port))
+            router_mod.run_router(_options(port=free_port(), prometheus_port=port))
     with pytest.raises(ValueError, match="cannot listen on no-such-host.invalid:"):
         router_mod.run_router(_options(port=9000, host="no-such-host.invalid"))
 
