@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests import debian
+from tests.ports import free_port
 
 _BINARIES = (
     "munged",
@@ -358,12 +359,6 @@ def _live_processes() -> Iterator[tuple[Proc, set[str]]]:
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or not ours to read
         yield Proc(int(entry.name), cmdline.strip()), set(environ)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _memory_mb() -> int:

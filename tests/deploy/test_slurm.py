@@ -24,7 +24,6 @@ from tests.deploy.slurm_cluster import (
     free_port,
     running_cluster,
 )
-from tests.ports import free_port as free_port_below_ephemeral
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "moeserve.sbatch"
 PD_SCRIPT = SCRIPT.with_name("moeserve-pd.sbatch")
@@ -80,13 +79,11 @@ def test_pd_sbatch_serves_through_the_router_and_scancel_ends_every_process(clus
     """moeserve-pd.sbatch on one node: a prefill and a decode instance (srun steps) and the
     router; a chat through the printed base URL moves its KV from the prefill instance to the
     decode instance; scancel ends every process cleanly before KillWait."""
-    instance_port = free_port_below_ephemeral(span=2)
+    instance_port = free_port(span=2)
     env = {
-        "MOESERVE_PORT": str(
-            free_port_below_ephemeral(span=2)
-        ),  # the router's, and + 1 for its metrics
+        "MOESERVE_PORT": str(free_port(span=2)),  # the router's, and + 1 for its metrics
         "MOESERVE_INSTANCE_PORT": str(instance_port),  # prefill-0, decode-0 on the next one
-        "MOESERVE_BOOTSTRAP_PORT": str(free_port_below_ephemeral()),
+        "MOESERVE_BOOTSTRAP_PORT": str(free_port()),
     }
     job = _submit(cluster, PD_SCRIPT, ["--ntasks-per-node=1"], ["--threads", "1"], env, model_dir)
 
