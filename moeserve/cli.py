@@ -103,6 +103,18 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--numa-bind", choices=("auto", "none"), default="auto")
     g.add_argument("--dist-timeout", type=float, default=120.0, help="seconds")
     g.add_argument(
+        "--enable-elastic-ep",
+        action="store_true",
+        help="survive the loss of a rank other than rank 0: the others go on without it",
+    )
+    g.add_argument(
+        "--elastic-ep-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="with --enable-elastic-ep: a silent rank is given up after this long",
+    )
+    g.add_argument(
         "--nnodes",
         type=int,
         default=None,
@@ -202,6 +214,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         two_batch_overlap=args.two_batch_overlap,
         numa_bind=args.numa_bind,
         dist_timeout_s=args.dist_timeout,
+        enable_elastic_ep=args.enable_elastic_ep,
+        elastic_ep_timeout_s=args.elastic_ep_timeout,
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,

@@ -144,6 +144,9 @@ class EngineConfig:
     two_batch_overlap: bool = False
     numa_bind: str = "auto"  # auto | none: one rank per NUMA node, threads pinned
     dist_timeout_s: float = 120.0  # a peer that never arrives or stops answering
+    # elastic EP (launch/elastic.py): the survivors of a rank loss go on without it
+    enable_elastic_ep: bool = False
+    elastic_ep_timeout_s: float = 10.0  # a silent peer fails a collective after this long
     # a rank > 0 that gets SIGTERM waits this long for rank 0's stop (node 0 drains first)
     shutdown_grace_s: float = 45.0
     # joining ranks started elsewhere (torchrun, Slurm, other hosts); None: spawn them here
@@ -191,6 +194,7 @@ class EngineConfig:
             raise ValueError(f"numa_bind must be auto or none, got {self.numa_bind!r}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        self._check_elastic()
         if self.shutdown_grace_s <= 0:
             raise ValueError(f"shutdown_grace_s must be > 0, got {self.shutdown_grace_s}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -214,6 +218,23 @@ class EngineConfig:
                     "hosts would advertise this host's address): run one instance per host, "
                     "or drop --nnodes"
                 )
+
+    def _check_elastic(self) -> None:
+        if self.elastic_ep_timeout_s <= 0:
+            raise ValueError(f"elastic_ep_timeout_s must be > 0, got {self.elastic_ep_timeout_s}")
+        if not self.enable_elastic_ep:
+            return
+        problems = []
+        if not self.enable_expert_parallel or self.data_parallel_size < 2:
+            problems.append("it needs expert parallelism over 2 or more DP replicas (--ep N)")
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            problems.append("each replica must be one rank (no --tp or --pp)")
+        if self.disaggregation_mode != "null":
+            problems.append("prefill/decode disaggregation is not supported with it yet")
+        if self.speculative_num_tokens:
+            problems.append("speculative decoding is not supported with it yet")
+        if problems:
+            raise ValueError("--enable-elastic-ep: " + "; ".join(problems))
 
     @property
     def disaggregation_options(self) -> DisaggregationOptions:

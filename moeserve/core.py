@@ -171,6 +171,20 @@ class Logprob:
 # token id -> Logprob, for the chosen token and the top-N alternatives of one position
 PositionLogprobs = dict[int, Logprob]
 
+
+@dataclass(frozen=True)
+class SampleProgress:
+    """What one sample of a request produced before its replica was lost, as the request's
+    caller received it: the state it resumes from on another replica (elastic EP). A
+    finished sample stays finished (``finish_reason``)."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
 _seq_counter = itertools.count()
 
 
@@ -207,6 +221,9 @@ class Sequence:
     first_token_time: float | None = None
     kv_role: KVRole = KVRole.LOCAL
     error: str | None = None  # why it ended abnormally (a failed KV transfer), for the caller
+    # resumed (resume_from): its outputs' KV is computed again one token per step, through
+    # the decode path that first computed it, so what follows matches an uninterrupted run
+    replay_outputs: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -274,6 +291,23 @@ class Sequence:
             self.finish(FinishReason.LENGTH, None)
             return True
         return False
+
+    def resume_from(self, progress: SampleProgress) -> None:
+        """Continue after ``progress``: its tokens become this sequence's outputs (their KV is
+        computed again, one token per step: ``replay_outputs``), and a seeded random sample's
+        generator skips the one draw each of them took, so the tokens after them are the
+        ones an uninterrupted run samples."""
+        if self.output_token_ids or self.num_computed_tokens:
+            raise ValueError("only a new sequence can resume")
+        self.output_token_ids = list(progress.token_ids)
+        self.replay_outputs = bool(progress.token_ids)
+        self.logprobs = list(progress.logprobs)
+        self.cumulative_logprob = progress.cumulative_logprob
+        if self.generator is not None and not self.params.greedy and progress.token_ids:
+            for _ in progress.token_ids:  # as the sampler draws: one scalar per token
+                torch.rand((), generator=self.generator, dtype=torch.float64)
+        if progress.finish_reason is not None:
+            self.finish(FinishReason(progress.finish_reason), progress.stop_reason)
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

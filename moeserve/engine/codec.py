@@ -10,7 +10,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from moeserve.core import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, SamplingParams
+from moeserve.core import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+    SampleProgress,
+    SamplingParams,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +59,26 @@ def logprobs_from_json(rows: list[list] | None) -> PositionLogprobs | None:
     if rows is None:
         return None
     return {int(tok): Logprob(float(lp), int(rank), dec) for tok, lp, rank, dec in rows}
+
+
+def progress_to_json(p: SampleProgress) -> Json:
+    return {
+        "token_ids": list(p.token_ids),
+        "logprobs": [logprobs_to_json(e) for e in p.logprobs],
+        "cumulative_logprob": p.cumulative_logprob,
+        "finish_reason": p.finish_reason,
+        "stop_reason": p.stop_reason,
+    }
+
+
+def progress_from_json(d: Json) -> SampleProgress:
+    return SampleProgress(
+        tuple(d["token_ids"]),
+        tuple(logprobs_from_json(e) for e in d["logprobs"]),
+        d["cumulative_logprob"],
+        d["finish_reason"],
+        d["stop_reason"],
+    )
 
 
 def _logprob_list(entries: list | None, decode) -> list | None:

@@ -23,6 +23,7 @@ from moeserve.core import (
     KVRole,
     PromptType,
     RequestOutput,
+    SampleProgress,
     SamplingParams,
     Sequence,
 )
@@ -259,12 +260,21 @@ class LLMEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         prompt_text: str | None = None,
+        progress: list[SampleProgress] | None = None,
     ) -> None:
         """Queue a prompt already checked by :meth:`validate_prompt`.
 
         With bootstrap fields (``params.kv_transfer``) on a prefill instance, the request
         computes its prompt's KV for a decode instance and ends with no token; on a decode
-        instance it takes that KV and decodes (``moeserve/disagg/``)."""
+        instance it takes that KV and decodes (``moeserve/disagg/``).
+
+        ``progress`` (one per sample): the request resumes where a lost replica left it
+        (elastic EP, ``launch/elastic.py``): each sample continues after the tokens its
+        caller has received (their KV is computed again), and the waiting queue's bound does
+        not apply (the request was admitted before)."""
+        if progress is not None:
+            self._add_resumed(request_id, prompt_ids, params, prompt_text, progress)
+            return
         role = self.disagg.role_of(prompt_ids, params)
         seqs = [
             Sequence(
@@ -298,6 +308,57 @@ class LLMEngine:
                 self.disagg.on_abort(request_id)  # the connector forgets its room
             self.outputs.drop(request_id)
             raise
+
+    def _add_resumed(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_text: str | None,
+        progress: list[SampleProgress],
+    ) -> None:
+        if len(progress) != params.n or params.kv_transfer is not None:
+            raise ValueError(
+                f"a resumed request needs one progress entry per sample ({params.n}, got "
+                f"{len(progress)}) and no KV transfer"
+            )
+        seqs = []
+        for i, done in enumerate(progress):
+            seq = Sequence(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                params=params,
+                sample_index=i,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+            )
+            seq.resume_from(done)
+            seqs.append(seq)
+        self.outputs.add(request_id, prompt_text, prompt_ids, params, seqs)
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.add(seq, resumed=True)
+
+    def regroup(self, groups: ParallelGroups) -> None:
+        """Take part in a new generation's groups (elastic EP: ``engine/regroup.py`` moved
+        the MoE layers already); the runner and the balancer follow."""
+        self.groups = groups
+        self.model.groups = groups
+        self.runner.groups = groups
+        if self.eplb is not None:
+            self.eplb.regroup(groups.ep, groups.world)
+        dims = groups.dims
+        self.run_empty_when_idle = dims.enable_expert_parallel and dims.dp > 1
+
+    def drop_all_requests(self) -> list[str]:
+        """Forget every request at once (an engine group lost a rank: rank 0 queues them
+        again, with what their callers have received); returns their ids. Every KV block is
+        free or cached afterwards."""
+        ids = list(self.outputs.requests)
+        for request_id in ids:
+            self.abort_request(request_id)
+        self._finished_outside.clear()
+        return ids
 
     def set_disaggregation_mode(self, mode: str) -> dict:
         """Switch this instance between the prefill and decode roles (adaptive P/D): only

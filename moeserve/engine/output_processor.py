@@ -69,16 +69,25 @@ class OutputProcessor:
         params: SamplingParams,
         seqs: list[Sequence],
     ) -> None:
+        """Follow a request's sequences. A resumed sequence (``Sequence.resume_from``) brings
+        outputs its caller has already received: its text is rebuilt from them and they
+        count as sent, so the outputs continue where the caller's left off."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         detokenize = self.tokenizer is not None and params.detokenize
         options = TextOptions.from_params(params)
-        samples = [
-            _SampleState(
-                seq, TextTracker(self.tokenizer, prompt_ids, options) if detokenize else None
-            )
-            for seq in seqs
-        ]
+        samples = []
+        for seq in seqs:
+            tracker = TextTracker(self.tokenizer, prompt_ids, options) if detokenize else None
+            sample = _SampleState(seq, tracker)
+            done = len(seq.output_token_ids)
+            if done:
+                if tracker is not None:
+                    tracker.update(seq.output_token_ids, seq.is_finished)
+                    tracker.take_delta(seq.is_finished)
+                sample.num_tokens_seen = sample.num_tokens_sent = done
+                sample.finish_sent = seq.is_finished
+            samples.append(sample)
         self.requests[request_id] = _RequestState(request_id, prompt, prompt_ids, params, samples)
 
     def drop(self, request_id: str) -> None:

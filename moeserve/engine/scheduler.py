@@ -148,16 +148,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.parked)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, resumed: bool = False) -> None:
         """Queue a new sequence. Raises ValueError when its prompt leaves no room for an output
-        token within max_model_len, QueueFullError when the bounded queue is full."""
+        token within max_model_len, QueueFullError when the bounded queue is full. A
+        ``resumed`` sequence (one that ran on a replica since lost, with its outputs so far)
+        was admitted before: the queue's bound does not refuse it."""
         limit = self.config.max_model_len
         if seq.num_prompt_tokens > limit - 1:
             raise ValueError(
                 f"the prompt has {seq.num_prompt_tokens} tokens; max_model_len is {limit}, "
                 "which must leave room for at least one output token"
             )
-        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
+        if (
+            not resumed
+            and self.config.max_waiting is not None
+            and len(self.waiting) >= self.config.max_waiting
+        ):
             raise QueueFullError(
                 f"the waiting queue is full ({self.config.max_waiting} sequences); retry later"
             )
@@ -177,7 +183,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = _replay_chunk(
+                seq, seq.num_computed_tokens, min(seq.num_tokens - seq.num_computed_tokens, budget)
+            )
             d = self._drafts_for(seq, n, budget)
             ahead = self._lookahead(seq, n, len(d))
             while not bm.can_allocate(seq, n, lookahead=ahead):
@@ -209,7 +217,8 @@ class Scheduler:
             if budget <= 0:
                 break
             cached = bm.lookup_prefix(seq)
-            n = seq.num_tokens - len(cached) * self.config.block_size
+            start = len(cached) * self.config.block_size
+            n = _replay_chunk(seq, start, seq.num_tokens - start)
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
@@ -461,3 +470,16 @@ class Scheduler:
                 raise AssertionError(f"scheduler: waiting sequence {seq.seq_id} is misplaced")
             if seq.block_table or seq.num_computed_tokens:
                 raise AssertionError(f"scheduler: waiting sequence {seq.seq_id} holds KV state")
+
+
+def _replay_chunk(seq: Sequence, start: int, n: int) -> int:
+    """How many of the ``n`` tokens from ``start`` a sequence computes this step: all of them,
+    except for a resumed sequence (``Sequence.replay_outputs``), which computes the rest of its
+    prompt in chunks and then its earlier outputs one per step. Through the decode path, as
+    they were first computed, their KV rounds as it did, so the tokens sampled after them are
+    the ones an uninterrupted run samples (the prefill path rounds differently)."""
+    if not seq.replay_outputs:
+        return n
+    if start < seq.num_prompt_tokens:
+        return min(n, seq.num_prompt_tokens - start)
+    return min(n, 1)

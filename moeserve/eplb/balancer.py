@@ -102,6 +102,13 @@ class ExpertBalancer:
             balancer.apply_location(options.init_location)
         return balancer
 
+    def regroup(self, ep, world) -> None:
+        """Work over new groups (elastic EP, after a rank loss): the window this rank counted
+        stays; a re-placement in progress is dropped (its tables were for the old group)."""
+        self.ep, self.world = ep, world
+        self.stats.group = ep.group if ep.size > 1 else None
+        self._queue = []
+
     # -- placement ------------------------------------------------------------------------
 
     @property

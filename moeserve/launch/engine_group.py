@@ -27,6 +27,7 @@ at once, even while its own thread is stuck in a collective with the dead peer.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -44,9 +45,17 @@ from moeserve.engine import codec
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.scheduler import QueueFullError
 from moeserve.eplb.balancer import run_command
+from moeserve.launch.elastic import GroupEnded
 from moeserve.launch.group_disagg import KV_MODE, GroupDisagg, send_mode
 from moeserve.launch.group_stats import merge_stats
-from moeserve.launch.liveness import RankMonitor, announce_api, wait_for_ranks_to_leave
+from moeserve.launch.ledger import RequestLedger, Tracked
+from moeserve.launch.liveness import (
+    MISSING_AFTER_S,
+    RankMonitor,
+    announce_api,
+    wait_for_ranks_to_leave,
+)
+from moeserve.launch.recovery import ElasticRank, Recovery
 from moeserve.launch.spec import LaunchSpec
 
 logger = logging.getLogger(__name__)
@@ -64,7 +73,10 @@ def run_step(engine: LLMEngine, groups: ParallelGroups, msg: dict) -> list[Reque
     for add in msg["add"]:
         if add["replica"] == groups.coords.dp_rank:
             params = codec.params_from_json(add["params"])
-            engine.add_tokenized(add["id"], add["prompt_ids"], params, add["prompt"])
+            progress = add.get("progress")  # a request resumed after a rank loss
+            if progress is not None:
+                progress = [codec.progress_from_json(p) for p in progress]
+            engine.add_tokenized(add["id"], add["prompt_ids"], params, add["prompt"], progress)
     for request_id in msg["abort"]:
         engine.abort_request(request_id)
     for request_id, index, stop in msg["finish"]:
@@ -108,32 +120,45 @@ def rank_info(engine: LLMEngine, groups: ParallelGroups) -> dict:
     }
 
 
-def serve_steps(engine: LLMEngine, groups: ParallelGroups) -> None:
+def serve_steps(
+    engine: LLMEngine, groups: ParallelGroups, elastic: ElasticRank | None = None
+) -> None:
     """A worker rank's loop: follow rank 0's messages until it says stop; at the stop its
-    KV cache must be consistent (an inconsistency fails the rank, and the driver sees it)."""
+    KV cache must be consistent (an inconsistency fails the rank, and the driver sees it).
+    With elastic EP a failed collective is a rank loss: the rank recovers with the others
+    (``launch/recovery.py``) and follows rank 0 again; GroupEnded when it cannot."""
+    if elastic is not None:
+        elastic.start_serving(groups)
     while True:
-        msg = broadcast_json(None, groups.world, 0)
-        if msg["cmd"] == STOP:
-            engine.scheduler.check_integrity()
-            return
-        if msg["cmd"] == INFO:
-            all_gather_json(rank_info(engine, groups), groups.world)
-            continue
-        if msg["cmd"] == STATS:
-            all_gather_json(engine.stats(msg.get("self_check", True)), groups.world)
-            continue
-        if msg["cmd"] == PING:
-            continue
-        if msg["cmd"] == EPLB:
-            answer = run_command(engine.eplb, msg["action"], msg.get("path"), groups.world)
-            all_gather_json(answer, groups.world)
-            continue
-        if msg["cmd"] == KV_MODE:  # launch/group_disagg.send_mode
-            engine.set_disaggregation_mode(msg["mode"])
-            continue
+        try:
+            if not _serve_one(engine, groups):
+                return
+        except RuntimeError as e:
+            if elastic is None or isinstance(e, GroupEnded):
+                raise
+            groups, _ = elastic.recover(engine, e)
+
+
+def _serve_one(engine: LLMEngine, groups: ParallelGroups) -> bool:
+    """Follow one message of rank 0; False once it said stop."""
+    msg = broadcast_json(None, groups.world, 0)
+    if msg["cmd"] == STOP:
+        engine.scheduler.check_integrity()
+        return False
+    if msg["cmd"] == INFO:
+        all_gather_json(rank_info(engine, groups), groups.world)
+    elif msg["cmd"] == STATS:
+        all_gather_json(engine.stats(msg.get("self_check", True)), groups.world)
+    elif msg["cmd"] == EPLB:
+        answer = run_command(engine.eplb, msg["action"], msg.get("path"), groups.world)
+        all_gather_json(answer, groups.world)
+    elif msg["cmd"] == KV_MODE:  # launch/group_disagg.send_mode
+        engine.set_disaggregation_mode(msg["mode"])
+    elif msg["cmd"] == STEP:
         outputs = run_step(engine, groups, msg)
         stats = engine.stats(False) if msg.get("stats") else None
         exchange_outputs(groups, outputs, stats, engine.kv_events())
+    return True  # PING: only woke this rank
 
 
 class EngineGroup:
@@ -149,10 +174,12 @@ class EngineGroup:
         spec: LaunchSpec,
         workers=None,
         on_close=None,
+        elastic: ElasticRank | None = None,
     ) -> None:
         """``spec``: rank 0's place (the store its RankMonitor reads); ``workers``: the ranks
         this process spawned (``launch/processes.WorkerProcesses``), if any; ``on_close`` runs
-        once the group is shut down or has failed."""
+        once the group is shut down or has failed; ``elastic``: this rank's part in
+        recoveries from a rank loss (``--enable-elastic-ep``), None to end at one."""
         if groups.rank != 0:
             raise ValueError("EngineGroup runs on world rank 0; other ranks run serve_steps")
         self.engine, self.groups = engine, groups
@@ -164,28 +191,36 @@ class EngineGroup:
         self._on_failure: Callable[[str], None] = lambda reason: None
         self._on_health: Callable[[list[str]], None] = lambda missing: None
         self._on_stop: Callable[[str], None] = lambda reason: None
+        self._elastic = elastic
+        self.lost: dict[int, str] = {}  # elastic EP: launch rank -> why it was given up
+        self.recoveries: list[Recovery] = []
+        self.recovery_seconds: list[float] = []
         self._monitor = RankMonitor(
             spec,
             on_health=lambda missing: self._on_health(missing),
             on_failure=self.fail,
             on_stop=lambda reason: self._on_stop(reason),
             dead_after_s=min(self.config.dist_timeout_s, 10.0),
+            on_dead=self.rank_lost if elastic is not None else None,
         ).start()
         atexit.register(self.shutdown)
         self._adds: list[dict] = []
         self._aborts: list[str] = []
         self._finishes: list[tuple[str, int, str | None]] = []
-        # unfinished request -> (its DP replica, its sequences); unfinished sequences per replica
-        self._replica_of: dict[str, tuple[int, int]] = {}
-        self._load = [0] * groups.dims.dp
+        # unfinished requests: their replicas, and what their callers have received
+        self._ledger = RequestLedger(groups.dims.dp)
         self.closed = False
         # one command at a time on the wire: the caller's, or the keep-awake thread's ping
         self._lock = threading.RLock()
         self._last_command = time.monotonic()
         self._stopping = threading.Event()
+        quiet_s = min(5.0, self.config.dist_timeout_s / 4)
+        if elastic is not None:  # collectives fail after elastic_ep_timeout_s from now on
+            quiet_s = min(quiet_s, self.config.elastic_ep_timeout_s / 4)
+            elastic.start_serving(groups)
         self._keeper = threading.Thread(
             target=self._keep_awake,
-            args=(min(5.0, self.config.dist_timeout_s / 4),),
+            args=(quiet_s,),
             name="engine-group-keepalive",
             daemon=True,
         )
@@ -214,33 +249,25 @@ class EngineGroup:
     ) -> None:
         """Validate here, then queue for the least-loaded replica (sent with the next step)."""
         params = params or SamplingParams()
-        if request_id in self._replica_of:
+        if request_id in self._ledger:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.engine.tokenize(prompt)
         self.engine.validate_prompt(ids, params)
-        replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
+        replica = self._ledger.least_loaded()
         cap = self.config.max_waiting_requests
-        if cap is not None and self._load[replica] + params.n > cap:
+        if cap is not None and self._ledger.load[replica] + params.n > cap:
             # rank 0 cannot see a replica's waiting queue, so it bounds all its unfinished
             # sequences: the replica's own queue can then never overflow mid-step
             raise QueueFullError(
                 f"every DP replica has {cap} or more unfinished sequences; retry later"
             )
         self.disagg.on_add(request_id, params, ids)  # raises for a room in use
-        self._adds.append(
-            {
-                "id": request_id,
-                "replica": replica,
-                "prompt": text,
-                "prompt_ids": ids,
-                "params": codec.params_to_json(params),
-            }
-        )
-        self._replica_of[request_id] = (replica, params.n)
-        self._load[replica] += params.n
+        tracked = Tracked(request_id, text, ids, params, replica)
+        self._ledger.add(tracked)
+        self._adds.append(_add_message(tracked, resumed=False))
 
     def abort_request(self, request_id: str) -> None:
-        if request_id not in self._replica_of:
+        if request_id not in self._ledger:
             return
         pending = [a for a in self._adds if a["id"] == request_id]
         if pending:
@@ -253,11 +280,11 @@ class EngineGroup:
     def finish_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
         """End one sample with finish reason ``stop`` on its replica (sent with the next step);
         the step after reports it, and the request's finished output, if it was the last."""
-        if request_id in self._replica_of:
+        if request_id in self._ledger:
             self._finishes.append((request_id, index, stop_reason))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._replica_of) or self.disagg.has_pending()
+        return bool(self._ledger) or self.disagg.has_pending()
 
     def step(self) -> list[RequestOutput]:
         return self._step(with_stats=False)[0]
@@ -269,9 +296,27 @@ class EngineGroup:
         return outputs, self._with_kv_stats(merge_stats(per_rank, self.groups.dims))
 
     def _with_kv_stats(self, stats: dict) -> dict:
-        """The group's stats with its KV transfers' counters (the control's)."""
+        """The group's stats with its KV transfers' counters (the control's) and, with elastic
+        EP, its rank losses and recoveries."""
         stats["disaggregation"] = self.disagg.stats()
+        if self._elastic is not None:
+            stats["elastic"] = self.elastic_status()
         return stats
+
+    def elastic_status(self) -> dict:
+        """Live ranks, losses and recoveries so far (``/health``, ``/metrics``)."""
+        return {
+            "live_ranks": self.groups.dims.world_size,
+            "world_size": self._spec.world_size,
+            "rank_failures": len(self.lost),
+            "recoveries": len(self.recoveries),
+            "recovery_seconds": list(self.recovery_seconds),
+            "lost": [self.lost[r] for r in sorted(self.lost)],
+            "history": [
+                {**dataclasses.asdict(r), "total_s": s}
+                for r, s in zip(self.recoveries, self.recovery_seconds)
+            ],
+        }
 
     def _step(self, with_stats: bool) -> tuple[list[RequestOutput], list[dict]]:
         msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts, "finish": self._finishes}
@@ -288,10 +333,17 @@ class EngineGroup:
             stats = self.engine.stats(False) if with_stats else None
             return exchange_outputs(self.groups, outputs, stats, self.engine.kv_events())
 
-        outputs, per_rank, kv_events = self._collective(take_step)
-        for out in outputs:
-            if out.finished:
-                self._forget(out.request_id)
+        def after_recovery():
+            # the lost step's samples ended by the caller end again on their new replicas,
+            # after the requests are queued there (the ledger queued every request again)
+            self._finishes = msg["finish"] + self._finishes
+            return None
+
+        result = self._collective(take_step, after_recovery)
+        if result is None:
+            return self._step(with_stats)
+        outputs, per_rank, kv_events = result
+        self._ledger.observe(outputs)
         self.disagg.poll(kv_events, idle=not outputs)
         return outputs, per_rank
 
@@ -332,7 +384,7 @@ class EngineGroup:
         control here is replaced, and every rank takes the role for the requests of the
         steps after (``{cmd: kv_mode}``: ``group_disagg.send_mode``). Returns the new role's
         ``/server_info`` fields; ValueError says why not (NotDrainedError: not yet)."""
-        self.disagg.switch(mode, len(self._replica_of))
+        self.disagg.switch(mode, len(self._ledger))
         self._collective(lambda: send_mode(self.engine, self.groups, mode))
         return self.disagg.info()
 
@@ -351,16 +403,20 @@ class EngineGroup:
 
         return self._collective(gather)
 
-    def _collective(self, fn):
+    def _collective(self, fn, again: Callable | None = None):
         """Run ``fn`` (rank 0's side of one command) alone; if it fails the ranks are out of
-        step (a peer died, or this rank failed), so the group ends: RuntimeError names why."""
+        step (a peer died, or this rank failed), so the group ends: RuntimeError names why.
+        With elastic EP the survivors recover instead (:meth:`_recover`), then ``again()``
+        answers (default: ``fn`` once more)."""
         with self._lock:
             if self.closed:
                 raise RuntimeError("the engine group has been shut down")
             try:
                 return fn()
             except Exception as e:
-                reason = f"engine group stopped: {self._culprit() or e}"
+                if self._elastic is not None and self._recover(e):
+                    return again() if again is not None else self._collective(fn)
+                reason = f"engine group stopped: {self.failure or self._culprit() or e}"
                 self.failure = self.failure or reason
                 self._close(kill=True)
                 self._on_failure(reason)
@@ -388,8 +444,53 @@ class EngineGroup:
     ) -> None:
         """``on_failure(reason)``: the group failed (called once, from any thread, at once);
         ``on_health(missing)``: the ranks whose heartbeat is late changed (a line each);
-        ``on_stop(reason)``: another host was asked to stop (SIGTERM)."""
+        ``on_stop(reason)``: another host was asked to stop (SIGTERM). With elastic EP a lost
+        rank is not a failure: the stats say what the group went on with (``elastic``)."""
         self._on_failure, self._on_health, self._on_stop = on_failure, on_health, on_stop
+
+    def rank_lost(self, rank: int, reason: str) -> None:
+        """Elastic EP, from a watcher's thread: launch rank ``rank`` is dead (its exit was
+        seen, or its heartbeat stopped). The collective that fails on it starts the
+        recovery, which leaves it out at once instead of waiting for its check-in."""
+        if rank not in self.lost:
+            logger.error("engine group: %s; the others go on without it", reason)
+            self.lost[rank] = reason
+
+    def _known_dead(self) -> set[int]:
+        """Ranks a recovery need not wait for: seen dead, or silent for a while."""
+        return set(self.lost) | self._monitor.silent_ranks(MISSING_AFTER_S)
+
+    def _recover(self, cause: BaseException) -> bool:
+        """Elastic EP: go on without the lost ranks (``launch/recovery.py``) and queue every
+        unfinished request again on the survivors, from what its caller has received. False
+        (``failure`` says why) when the group cannot go on."""
+        t0 = time.monotonic()
+        try:
+            groups, rec = self._elastic.recover(self.engine, cause, self._known_dead)
+        except (GroupEnded, ValueError, RuntimeError, OSError) as e:
+            self.failure = self.failure or str(e)
+            return False
+        self.groups = groups
+        why = str(cause).split(". ")[0]  # gloo's first sentence names the broken link
+        for rank in rec.lost:
+            self.lost.setdefault(rank, f"{self._monitor.describe(rank)} was lost: {why}")
+        self._monitor.forget(rec.lost)
+        self._adds = [_add_message(t, resumed=True) for t in self._ledger.reassign(groups.dims.dp)]
+        self._aborts = []
+        self.recoveries.append(rec)
+        self.recovery_seconds.append(time.monotonic() - t0)
+        logger.warning(
+            "engine group: recovered in %.2fs (agree %.2fs, join %.2fs, reload %.2fs of %d "
+            "expert(s)); %d rank(s) live, %d request(s) queued again",
+            self.recovery_seconds[-1],
+            rec.agree_s,
+            rec.join_s,
+            rec.reload_s,
+            rec.experts_reloaded,
+            groups.dims.world_size,
+            len(self._adds),
+        )
+        return True
 
     def announce_api(self, url: str) -> None:
         """Record the API's URL in the group's store; the other hosts log it."""
@@ -415,6 +516,12 @@ class EngineGroup:
             sys.stderr.flush()
             os._exit(1)
 
+    def _live_ranks(self) -> list[int]:
+        """The launch ranks > 0 of the group as it is now."""
+        if self._elastic is not None:
+            return list(self._elastic.membership.members[1:])
+        return list(range(1, self._spec.world_size))
+
     def _keep_awake(self, interval_s: float) -> None:
         while not self._stopping.wait(interval_s / 4):
             if time.monotonic() - self._last_command < interval_s:
@@ -430,10 +537,7 @@ class EngineGroup:
                 self._lock.release()
 
     def _forget(self, request_id: str) -> None:
-        entry = self._replica_of.pop(request_id, None)
-        if entry is not None:
-            replica, n = entry
-            self._load[replica] -= n
+        self._ledger.forget(request_id)
 
     def shutdown(self) -> None:
         """Tell every worker to stop and wait for the spawned ones; idempotent."""
@@ -470,10 +574,25 @@ class EngineGroup:
         elif self.workers is not None:
             self.workers.join()
         if not kill:  # a clean stop: the other ranks close their store connections first
-            late = wait_for_ranks_to_leave(self._spec)
+            late = wait_for_ranks_to_leave(self._spec, self._live_ranks())
             if late:
                 logger.warning("ranks %s did not confirm their stop", late)
         if dist.is_initialized():
             dist.destroy_process_group()
         if self._on_close is not None:
             self._on_close()
+
+
+def _add_message(tracked: Tracked, resumed: bool) -> dict:
+    """The step message's entry that queues ``tracked`` on its replica; ``resumed`` carries
+    what its caller has received (after a rank loss)."""
+    add = {
+        "id": tracked.request_id,
+        "replica": tracked.replica,
+        "prompt": tracked.prompt,
+        "prompt_ids": tracked.prompt_ids,
+        "params": codec.params_to_json(tracked.params),
+    }
+    if resumed:
+        add["progress"] = [codec.progress_to_json(p) for p in tracked.progress]
+    return add

@@ -6,7 +6,8 @@ The API runs where world rank 0 runs (node 0). Every other ``serve`` is one of t
   ranks, logs the API they serve once node 0 announces it, and watches them: when they all
   exit 0 (rank 0 stopped the group) it exits 0; when one fails it reports the failure to
   the group (``liveness.publish_failure``: node 0 then names it and ends the service), kills
-  the others and exits 1.
+  the others and exits 1. With elastic EP it reports the dead rank instead
+  (``elastic.report_dead``: the others go on without it) and keeps watching the rest.
 - a rank > 0 started by torchrun or srun: :func:`~moeserve.launch.start.run_rank` in this
   very process.
 
@@ -22,6 +23,7 @@ import time
 from collections.abc import Mapping
 
 from moeserve.config import EngineConfig
+from moeserve.launch.elastic import report_dead
 from moeserve.launch.liveness import connect_store, publish_failure, read_api_url, request_stop
 from moeserve.launch.netif import check_rendezvous
 from moeserve.launch.processes import WorkerProcesses
@@ -100,25 +102,38 @@ def run_host(config: EngineConfig) -> int:
         specs[0].master_addr,
         specs[0].master_port,
     )
-    return _watch(workers, specs[0], stop_by, forced)
+    return _watch(workers, specs[0], stop_by, forced, config.enable_elastic_ep)
 
 
 def _watch(
-    workers: WorkerProcesses, spec: LaunchSpec, stop_by: list[float], forced: threading.Event
+    workers: WorkerProcesses,
+    spec: LaunchSpec,
+    stop_by: list[float],
+    forced: threading.Event,
+    elastic: bool = False,
 ) -> int:
     announced = False
     next_look = 0.0
+    reported: set[int] = set()
     while True:
-        failure = workers.failure()
-        if failure is not None:
-            logger.error("%s; stopping this host's ranks", failure)
-            publish_failure(spec, failure)
-            workers.kill_all()
-            return 1
+        if elastic:  # the group goes on without a dead rank: report it, keep the others
+            for rank, why in workers.failed().items():
+                if rank not in reported:
+                    reported.add(rank)
+                    logger.error("%s; the group goes on without it", why)
+                    report_dead(spec, rank, why)
+        else:
+            failure = workers.failure()
+            if failure is not None:
+                logger.error("%s; stopping this host's ranks", failure)
+                publish_failure(spec, failure)
+                workers.kill_all()
+                return 1
         if workers.all_exited():
+            clean = len(reported) < len(workers.procs)  # a rank here stopped with the group
             workers.join()
             logger.info("node %d: the group stopped; every rank exited", spec.node_rank)
-            return 0
+            return 0 if clean else 1
         if forced.is_set() or (stop_by and time.monotonic() > stop_by[0]):
             logger.error(
                 "node %d: the group did not stop in time; killing its ranks", spec.node_rank

@@ -66,11 +66,14 @@ def _left_key(rank: int) -> str:
     return f"moeserve/left/{rank}"
 
 
-def wait_for_ranks_to_leave(spec: LaunchSpec, timeout_s: float = 5.0) -> list[int]:
-    """Rank 0, after its stop: wait until every rank > 0 has stopped beating (``Heartbeat.stop``)
-    before the store closes; returns the ranks that did not say so within ``timeout_s``."""
+def wait_for_ranks_to_leave(
+    spec: LaunchSpec, ranks: list[int] | None = None, timeout_s: float = 5.0
+) -> list[int]:
+    """Rank 0, after its stop: wait until every rank > 0 (or those in ``ranks``) has stopped
+    beating (``Heartbeat.stop``) before the store closes; returns the ranks that did not say
+    so within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    pending = list(range(1, spec.world_size))
+    pending = list(range(1, spec.world_size)) if ranks is None else list(ranks)
     while pending and time.monotonic() < deadline:
         try:
             store = connect_store(spec, timeout_s=2.0)
@@ -185,13 +188,30 @@ class LivenessTable:
 
     def dead(self, now: float) -> str | None:
         """Why the group must end, when a rank has been silent for ``dead_after_s``."""
-        for r in self.counters:
-            if self.silent_for(r, now) >= self.dead_after_s:
-                return (
-                    f"{self.describe(r)} sent no heartbeat for {self.silent_for(r, now):.1f}s: "
-                    f"its process died or its host is unreachable"
-                )
-        return None
+        found = self.dead_ranks(now)
+        return found[0][1] if found else None
+
+    def dead_ranks(self, now: float) -> list[tuple[int, str]]:
+        """Each rank silent for ``dead_after_s``, and why it is dead."""
+        return [
+            (
+                r,
+                f"{self.describe(r)} sent no heartbeat for {self.silent_for(r, now):.1f}s: "
+                f"its process died or its host is unreachable",
+            )
+            for r in self.counters
+            if self.silent_for(r, now) >= self.dead_after_s
+        ]
+
+    def silent(self, now: float, seconds: float) -> set[int]:
+        """The ranks silent for ``seconds`` or more."""
+        return {r for r in self.counters if self.silent_for(r, now) >= seconds}
+
+    def forget(self, ranks) -> None:
+        """Stop watching ``ranks`` (a group that went on without them)."""
+        for r in ranks:
+            self.counters.pop(r, None)
+            self.moved_at.pop(r, None)
 
     def describe(self, rank: int) -> str:
         who = self.who.get(rank)
@@ -204,7 +224,9 @@ class RankMonitor:
     ``on_health(missing)`` runs when the list of missing ranks changes (an empty list: all
     back); ``on_stop(reason)`` once, when another host asks the group to stop;
     ``on_failure(reason)`` once, when a rank is dead or a host reported a failure; then the
-    monitor stops. :meth:`culprit` names the likely cause of a failed collective."""
+    monitor stops. With ``on_dead`` (elastic EP) a dead rank is reported there instead, once,
+    and the monitor goes on watching the others (the group forgets it: :meth:`forget`).
+    :meth:`culprit` names the likely cause of a failed collective."""
 
     def __init__(
         self,
@@ -214,8 +236,11 @@ class RankMonitor:
         on_stop: Callable[[str], None],
         dead_after_s: float = DEAD_AFTER_S,
         poll_s: float = 0.5,
+        on_dead: Callable[[int, str], None] | None = None,
     ) -> None:
         self.spec = spec
+        self.on_dead = on_dead
+        self._reported_dead: set[int] = set()
         self.on_health, self.on_failure, self.on_stop = on_health, on_failure, on_stop
         self._stop_seen = False
         self.poll_s = poll_s
@@ -239,6 +264,21 @@ class RankMonitor:
     def missing(self) -> list[str]:
         with self._lock:
             return list(self._missing)
+
+    def silent_ranks(self, seconds: float) -> set[int]:
+        """The ranks whose heartbeat has been still for ``seconds`` or more."""
+        with self._lock:
+            return self.table.silent(time.monotonic(), seconds)
+
+    def describe(self, rank: int) -> str:
+        """``rank (node, host address, pid)`` as the rank said when it joined."""
+        with self._lock:
+            return self.table.describe(rank)
+
+    def forget(self, ranks) -> None:
+        """Stop watching ``ranks``: the group went on without them."""
+        with self._lock:
+            self.table.forget(ranks)
 
     def culprit(self, wait_s: float) -> str | None:
         """The failure found, or the ranks missing, waiting up to ``wait_s`` for one (a
@@ -272,13 +312,20 @@ class RankMonitor:
 
     def _poll(self, store, now: float) -> str | None:
         table = self.table
-        for r in table.counters:
+        with self._lock:
+            ranks = list(table.counters)
+        seen = {}
+        for r in ranks:
             if r not in table.who and store.check([_who_key(r)]):
                 table.who[r] = RankIdentity(**json.loads(store.get(_who_key(r))))
-            table.observe(r, store.add(_hb_key(r), 0), now)
-        missing = table.missing(now)
+            seen[r] = store.add(_hb_key(r), 0)
         with self._lock:
+            for r, counter in seen.items():
+                if r in table.counters:  # not forgotten meanwhile
+                    table.observe(r, counter, now)
+            missing = table.missing(now)
             changed, self._missing = missing != self._missing, missing
+            dead = table.dead_ranks(now) if self.on_dead is not None else []
         if changed:
             self.on_health(missing)
         if not self._stop_seen and store.check([_STOP_KEY]):
@@ -286,6 +333,12 @@ class RankMonitor:
             self.on_stop(store.get(_STOP_KEY).decode())
         if store.check([_FAILED_KEY]):
             return store.get(_FAILED_KEY).decode()
+        if self.on_dead is not None:
+            for r, why in dead:
+                if r not in self._reported_dead:
+                    self._reported_dead.add(r)
+                    self.on_dead(r, why)
+            return None
         return table.dead(now)
 
 

@@ -72,29 +72,44 @@ class WorkerProcesses:
 
     def _scan(self) -> str | None:
         if self._failure is None:
-            for rank, p in sorted(self.procs.items()):
-                code = p.poll()
-                if code not in (None, 0):
-                    detail = ""
-                    try:
-                        with open(self._error_file(rank)) as f:
-                            detail = ": " + f.read().strip()
-                    except OSError:
-                        pass
-                    how = (
-                        f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                    )
-                    who = RankIdentity.of_this_process(self._specs[rank])
-                    who = dataclasses.replace(who, pid=p.pid).describe()
-                    self._failure = f"{who} {how}{detail}"
-                    break
+            failed = self.failed()
+            if failed:
+                self._failure = failed[min(failed)]
         return self._failure
 
-    def watch(self, group: EngineGroup) -> None:
-        """Watch the ranks from a thread; the first that fails ends ``group`` (``fail``)."""
+    def failed(self) -> dict[int, str]:
+        """Every rank that exited with an error, and how (rank, host, code, its error)."""
+        out = {}
+        for rank, p in sorted(self.procs.items()):
+            code = p.poll()
+            if code in (None, 0):
+                continue
+            detail = ""
+            try:
+                with open(self._error_file(rank)) as f:
+                    detail = ": " + f.read().strip()
+            except OSError:
+                pass
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            who = RankIdentity.of_this_process(self._specs[rank])
+            who = dataclasses.replace(who, pid=p.pid).describe()
+            out[rank] = f"{who} {how}{detail}"
+        return out
+
+    def watch(self, group: EngineGroup, elastic: bool = False) -> None:
+        """Watch the ranks from a thread; the first that fails ends ``group`` (``fail``).
+        With ``elastic`` every rank that fails is reported (``group.rank_lost``) and the
+        group goes on without it."""
 
         def loop() -> None:
+            reported: set[int] = set()
             while not self._stopping.wait(0.5):
+                if elastic:
+                    for rank, why in self.failed().items():
+                        if rank not in reported and not self._stopping.is_set():
+                            reported.add(rank)
+                            group.rank_lost(rank, why)
+                    continue
                 failure = self.failure()
                 if failure is not None and not self._stopping.is_set():
                     group.fail(failure)

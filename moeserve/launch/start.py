@@ -37,6 +37,7 @@ from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.interface import Engine
 from moeserve.launch.agreement import check_terms, group_terms, publish_terms
+from moeserve.launch.elastic import GroupEnded, Membership, open_store
 from moeserve.launch.engine_group import EngineGroup, serve_steps
 from moeserve.launch.liveness import Heartbeat, request_stop
 from moeserve.launch.netif import check_rendezvous, interface_towards
@@ -47,6 +48,7 @@ from moeserve.launch.numa import (
     read_topology,
 )
 from moeserve.launch.processes import WorkerProcesses
+from moeserve.launch.recovery import ElasticRank
 from moeserve.launch.spec import (
     LaunchSpec,
     check_world_size,
@@ -90,7 +92,7 @@ def start_engine(config: EngineConfig) -> Engine:
     binding = bindings(config, spec.local_world_size)[spec.local_rank]
     restore = _placement_restorer()  # rank 0 is the caller's process: undo the pinning later
     try:
-        engine, groups = _join(spec, config, binding)
+        engine, groups, elastic = _join(spec, config, binding)
     except BaseException as e:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -100,9 +102,9 @@ def start_engine(config: EngineConfig) -> Engine:
             workers.kill_all()
             raise RuntimeError(f"engine group failed to start: {cause or e}") from e
         raise
-    group = EngineGroup(engine, groups, spec, workers, on_close=restore)
+    group = EngineGroup(engine, groups, spec, workers, on_close=restore, elastic=elastic)
     if workers is not None:
-        workers.watch(group)
+        workers.watch(group, elastic=elastic is not None)
     logger.info("engine group ready: %s over %d node(s)", dims.describe(), spec.nnodes)
     return group
 
@@ -152,10 +154,13 @@ def run_rank(spec: LaunchSpec, config: EngineConfig, binding: RankBinding) -> in
         _exit_after(spec.rank, grace)
 
     signal.signal(signal.SIGTERM, on_term)
-    engine, groups = _join(spec, config, binding)
+    engine, groups, elastic = _join(spec, config, binding)
     heartbeat = Heartbeat(spec).start()
     try:
-        serve_steps(engine, groups)
+        serve_steps(engine, groups, elastic)
+    except GroupEnded as e:
+        sys.stderr.write(f"moeserve: rank {spec.rank} leaves: {e}\n")
+        return 1
     finally:
         heartbeat.stop()
         if dist.is_initialized():
@@ -196,8 +201,9 @@ def bindings(config: EngineConfig, local_world: int) -> list[RankBinding]:
 
 def _join(
     spec: LaunchSpec, config: EngineConfig, binding: RankBinding
-) -> tuple[LLMEngine, ParallelGroups]:
-    """Bind threads, join the world, build the groups and this rank's engine."""
+) -> tuple[LLMEngine, ParallelGroups, ElasticRank | None]:
+    """Bind threads, join the world, build the groups and this rank's engine (and its part
+    in recoveries, with elastic EP)."""
     if config.num_threads:
         binding = RankBinding(
             binding.local_rank, binding.numa_node, binding.cpus, config.num_threads
@@ -217,14 +223,22 @@ def _join(
         # one GPU per local rank; NCCL moves CUDA tensors, gloo the CPU control messages
         torch.cuda.set_device(spec.local_rank)
         backend = "cpu:gloo,cuda:nccl"
+    elastic = None
     try:
-        dist.init_process_group(
-            backend,
-            init_method=spec.init_method,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=config.dist_timeout_s),
-        )
+        if config.enable_elastic_ep:
+            # generations of the group meet on one store that rank 0 keeps (launch/elastic.py)
+            store = open_store(spec, config.dist_timeout_s)
+            elastic = ElasticRank(config, Membership(spec, store, backend))
+            groups = elastic.membership.init_world(config.dist_timeout_s)
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=spec.init_method,
+                rank=spec.rank,
+                world_size=spec.world_size,
+                timeout=timedelta(seconds=config.dist_timeout_s),
+            )
+            groups = ParallelGroups.build(config.parallel_dims)
     except (dist.DistError, RuntimeError) as e:
         raise RuntimeError(
             f"rank {spec.rank}: the {spec.world_size} ranks did not all join {spec.init_method} "
@@ -232,5 +246,4 @@ def _join(
             f"with the same layout: here {config.parallel_dims.describe()} over {spec.nnodes} "
             f"node(s)): {e}"
         ) from e
-    groups = ParallelGroups.build(config.parallel_dims)
-    return LLMEngine(config, groups), groups
+    return LLMEngine(config, groups), groups, elastic

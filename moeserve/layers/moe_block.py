@@ -124,6 +124,18 @@ class MoEBlock(nn.Module):
         self.placement = placement
         self.experts.slot_experts = placement.local_logical(self.ep.rank)
 
+    def reform(self, ep: Axis, placement: ExpertPlacement) -> None:
+        """Route over a new EP group by ``placement`` from now on (elastic EP, after a rank
+        loss): this rank keeps its slots, the caller fills those whose expert changed.
+        Raises ValueError without EP or when the slots per rank differ."""
+        if self.placement is None or placement.slots_per_rank != self.placement.slots_per_rank:
+            raise ValueError("reform needs expert parallelism and the same slots per rank")
+        if placement.ep_size != ep.size:
+            raise ValueError(f"a placement over {placement.ep_size} ranks for {ep.size}")
+        self.ep, self.placement = ep, placement
+        self.dispatcher = AllToAllDispatcher(ep.group) if ep.size > 1 else LocalDispatcher()
+        self.experts.slot_experts = placement.local_logical(ep.rank)
+
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.placement is None:
             calls = self._decode_calls

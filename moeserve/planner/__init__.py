@@ -10,7 +10,9 @@ torch, inside its functions).
     simulator.py   one decode and one prefill pass
     search.py      batches under TTFT / TPOT targets, ranking, node sweeps
     pd_ratio.py    the best fixed prefill:decode split of N instances for a phased workload
-    cli.py         ``moeserve plan`` (cli_pd.py: ``--pd-instances``);  plot.py  sweeps as a PNG
+    availability/  the cost of a rank or node loss under elastic EP, uptime, redundancy
+    cli.py         ``moeserve plan`` (cli_pd.py: ``--pd-instances``; cli_availability.py:
+                   ``--availability``);  plot.py  sweeps as a PNG
     calibrate/     ``moeserve plan calibrate``: micro.py (bandwidth, GEMMs, experts, gloo),
                    engine.py (the engine's own steps: host overheads, collectives),
                    host.py (the CPU model, ISA and caches a profile was measured on)

@@ -7,6 +7,7 @@ calibrate this machine.
     moeserve plan --model ... --hardware ... --pd-instances 3 --pd-colocated 3 \\
         --phase 1024:4:0.2:120 --phase 64:128:0.3:120 [--ttft-ms ... --tpot-ms ...]
     moeserve plan calibrate [--out FILE] [--threads N] [--refit EARLIER_PROFILE]
+    moeserve plan ... --availability [--node-mtbf-hours H] [--tolerate-failures K]
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ import argparse
 import json
 import sys
 
+from moeserve.planner.cli_availability import (
+    add_availability_args,
+    add_availability_json,
+    failure_model_from_args,
+    plan_availability,
+    print_availability,
+)
 from moeserve.planner.cli_pd import add_pd_args, run_pd
 from moeserve.planner.hardware import ProfileError, builtin_profiles, load_profile
 from moeserve.planner.layout import Layout
@@ -78,6 +86,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         "--plot", default=None, help="with --sweep-nodes: write a PNG of the sweep (matplotlib)"
     )
     add_pd_args(p)
+    add_availability_args(p)
     p.set_defaults(func=run_plan)
     cal_sub = p.add_subparsers(dest="plan_command")
     c = cal_sub.add_parser("calibrate", help="measure this machine, write a profile YAML")
@@ -108,6 +117,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("moeserve plan needs --model and --hardware (or: plan calibrate)")
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    fm = failure_model_from_args(args)
     try:
         spec = load_model_spec(args.model)
         hw = load_profile(args.hardware)
@@ -146,6 +156,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if fixed:
         args.nodes = fixed[0].nodes
     plans = rank_layouts(spec, hw, args.nodes, w, layouts=fixed, instance_nodes=inst, **enum_kw)
+    avail = [plan_availability(args, spec, hw, p, w, fm) for p in plans[: args.top]] if fm else []
     if args.json:
         out = {
             "model": spec.name,
@@ -156,9 +167,13 @@ def run_plan(args: argparse.Namespace) -> int:
             "layouts_evaluated": len(plans),
             "layouts_serving": sum(p.ok for p in plans),
         }
+        if fm:
+            add_availability_json(out, fm, avail)
         print(json.dumps(out, indent=1))
         return 0
     _print_plans(spec.name, hw.name, args.nodes, plans, w, args.top)
+    if fm:
+        print_availability(fm, avail)
     return 0 if plans and plans[0].ok else 1
 
 

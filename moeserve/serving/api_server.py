@@ -97,6 +97,9 @@ def public_router(state: ServerState) -> APIRouter:
         state.check_accepting()
         state.check_ranks()
         state.check_engine_answers()
+        degraded = state.degraded()  # elastic EP went on without lost ranks: still serving
+        if degraded is not None:
+            return JSONResponse(degraded)
         return Response(status_code=200)
 
     @router.get("/version")

@@ -73,6 +73,8 @@ class _EngineCollector(Collector):
         yield from _disaggregation_metrics(name, st.get("disaggregation"), st.get("num_parked", 0))
         if st.get("eplb"):
             yield from _eplb_metrics(name, st["eplb"])
+        if st.get("elastic"):
+            yield from _elastic_metrics(name, st["elastic"])
         if st.get("spec_decode_num_verify_steps"):
             yield from _spec_decode_metrics(name, st)
         experts = st.get("expert_counts") or {}
@@ -262,6 +264,35 @@ def _eplb_metrics(name: str, eplb: dict) -> Iterator[Metric]:
     )
     c.add_metric([name], eplb["rebalances"])
     yield c
+
+
+_RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+def _elastic_metrics(name: str, el: dict) -> Iterator[Metric]:
+    """Elastic EP: the live ranks, the ranks lost, the recoveries and how long each took."""
+    g = GaugeMetricFamily(
+        "moeserve:live_ranks", "Ranks of the engine group serving now.", labels=["model_name"]
+    )
+    g.add_metric([name], el["live_ranks"])
+    yield g
+    for metric, doc, key in (
+        ("rank_failures", "Ranks of the engine group lost (elastic EP).", "rank_failures"),
+        ("recoveries", "Recoveries of the engine group after a rank loss.", "recoveries"),
+    ):
+        c = CounterMetricFamily(f"moeserve:{metric}", doc, labels=["model_name"])
+        c.add_metric([name], el[key])
+        yield c
+    seconds = el["recovery_seconds"]
+    buckets = [(str(b), sum(1 for x in seconds if x <= b)) for b in _RECOVERY_BUCKETS]
+    buckets.append(("+Inf", len(seconds)))
+    h = HistogramMetricFamily(
+        "moeserve:recovery_seconds",
+        "Time from a failed step to serving again without the lost rank(s).",
+        labels=["model_name"],
+    )
+    h.add_metric([name], buckets, sum(seconds))
+    yield h
 
 
 class ServerMetrics:

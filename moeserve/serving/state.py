@@ -94,6 +94,20 @@ class ServerState:
         if missing:
             raise unavailable(f"{len(missing)} rank(s) missing: " + "; ".join(missing))
 
+    def degraded(self) -> dict | None:
+        """For /health: what an elastic engine group went on with after losing ranks (its
+        latest stats), or None while every rank serves."""
+        snap = self.client.stats
+        el = snap.stats.get("elastic") if snap is not None else None
+        if not el or el["live_ranks"] >= el["world_size"]:
+            return None
+        return {
+            "status": "degraded",
+            "live_ranks": el["live_ranks"],
+            "world_size": el["world_size"],
+            "lost": el["lost"],
+        }
+
     def check_engine_answers(self) -> None:
         """For /health: 503 while the engine is stalled (it sent nothing for the bound while
         requests waited; prefill/decode disaggregation only)."""

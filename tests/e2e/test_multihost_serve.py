@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,31 +148,39 @@ def _health(group: Group) -> int:
     return _health_answer(group)["status"]
 
 
-@pytest.fixture
-def group(tmp_path):
+@contextmanager
+def running_group(tmp_path: Path, command: Callable[[int], list[str]]) -> Iterator[Group]:
+    """``command(node)`` on hosts A and B, until node 1 says which API it serves; every
+    process of both is killed at the end."""
     with two_hosts() as hosts:
         nodes = []
         for node, ns in enumerate(hosts):
             log_path = tmp_path / f"node{node}.log"
             with open(log_path, "w") as log:
                 proc = subprocess.Popen(
-                    in_host(ns, _serve_cmd(node)), stdout=log, stderr=subprocess.STDOUT
+                    in_host(ns, command(node)), stdout=log, stderr=subprocess.STDOUT
                 )
             nodes.append(Node(proc, log_path))
         g = Group(nodes, hosts)
         try:
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + 240
             while "serves the API at" not in nodes[1].log():
                 for i, n in enumerate(nodes):
                     assert n.proc.poll() is None, f"node {i} exited early\n{g.logs()}"
-                assert time.monotonic() < deadline, f"no group after 180 s\n{g.logs()}"
+                assert time.monotonic() < deadline, f"no group after 240 s\n{g.logs()}"
                 time.sleep(0.3)
-            assert _health(g) == 200, g.logs()
             for n in nodes:
                 n.remember_processes()
             yield g
         finally:
             g.kill_everything()
+
+
+@pytest.fixture
+def group(tmp_path):
+    with running_group(tmp_path, _serve_cmd) as g:
+        assert _health(g) == 200, g.logs()
+        yield g
 
 
 @pytest.fixture(scope="module")

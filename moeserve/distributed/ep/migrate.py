@@ -23,6 +23,8 @@ mappings and views stay valid). A slot whose expert does not change is not touch
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +142,7 @@ def move_experts(experts, old: ExpertPlacement, new: ExpertPlacement, rank: int,
     if old.ep_size > 1:
         if group is None:
             raise ValueError(f"moving experts over {old.ep_size} ranks needs their group")
+        _fault_point(rank, old.ep_size)
         dist.all_to_all_single(
             buf_MB, buf_NB, recv_counts, [len(s) for s in plan.send], group=group
         )
@@ -156,3 +159,14 @@ def move_experts(experts, old: ExpertPlacement, new: ExpertPlacement, rank: int,
     for j, src, e in plan.recv:
         _unpack_into(buf_MB[row_of[(src, e)]], tensors, j)
     return buf_MB.numel()
+
+
+FAULT_ENV = "MOESERVE_FAULT_DIE_IN_EXPERT_MOVE"
+
+
+def _fault_point(rank: int, ep_size: int) -> None:
+    """Fault injection for the elastic-EP tests and chaos runs: with ``FAULT_ENV`` set to
+    ``RANK:SIZE``, EP rank RANK of an EP group of SIZE ranks kills itself (SIGKILL) as its
+    peers enter a move's all-to-all (once: the group that goes on is smaller)."""
+    if os.environ.get(FAULT_ENV) == f"{rank}:{ep_size}":
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -10,12 +10,13 @@ import time
 
 from moeserve.serving.supervisor import StopFlag, StopSignals, spawn, supervise, terminate
 
-# a child that ignores SIGTERM and says so on stdout once it does
+# a child that ignores SIGTERM and SIGINT and says so on stdout once it does (one that died
+# of the forwarded SIGINT before the SIGKILL, on a busy host, would exit 1 instead)
 _STUBBORN = [
     sys.executable,
     "-c",
-    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', "
-    "flush=True); time.sleep(60)",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)",
 ]
 
 

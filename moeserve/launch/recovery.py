@@ -1,0 +1,119 @@
+"""One rank's recovery from a rank loss (elastic EP): leave the failed generation, agree on
+the next (``elastic.Membership``), join it, move the engine onto it
+(``engine/regroup.py``), and confirm together that every survivor made it.
+
+    rank 0       leave -> decide the members -> join -> regroup -> confirm
+    rank > 0     leave -> check in -> follow rank 0's decision -> join -> regroup -> confirm
+
+Until the confirmation the new world's collectives wait up to ``dist_timeout_s`` (a
+survivor may read experts from the checkpoint meanwhile); after it, the short collective
+timeout applies again (``elastic_ep_timeout_s``: how long a silent rank takes to be noticed).
+When a survivor fails to regroup (its slots cannot hold the experts, say), every survivor
+hears it at the confirmation and the group ends with that reason (:class:`GroupEnded`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moeserve.config import EngineConfig
+from moeserve.distributed.groups import ParallelGroups
+from moeserve.distributed.objects import all_gather_json
+from moeserve.engine.regroup import regroup_engine
+from moeserve.launch.elastic import (
+    CHECK_IN_MARGIN_S,
+    GroupEnded,
+    Membership,
+    set_collective_timeout,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What one recovery did and how long each part took (on this rank)."""
+
+    generation: int
+    started_at: float  # time.time() when this rank began it (its collective had failed)
+    lost: tuple[int, ...]  # launch ranks left out
+    live: tuple[int, ...]  # launch ranks of the new generation
+    agree_s: float  # from leaving the failed group to knowing the members
+    join_s: float  # forming the new process group
+    reload_s: float  # reading experts from the checkpoint (the slowest survivor)
+    experts_reloaded: int  # by all survivors (each expert of each layer counts once)
+    bytes_read: int  # from the checkpoint, by all survivors
+    requests_dropped: int  # by all survivors (rank 0 queues them all again)
+
+
+class ElasticRank:
+    """This process's part in recoveries."""
+
+    def __init__(self, config: EngineConfig, membership: Membership) -> None:
+        self.config, self.membership = config, membership
+        self.timeout_s = config.elastic_ep_timeout_s
+
+    @property
+    def world_size(self) -> int:
+        return len(self.membership.members)
+
+    def start_serving(self, groups: ParallelGroups) -> None:
+        """From here on a silent peer fails a collective after the short timeout."""
+        set_collective_timeout(groups, self.timeout_s)
+
+    def recover(
+        self, engine, cause: BaseException, known_dead: Callable[[], set[int]] = set
+    ) -> tuple[ParallelGroups, Recovery]:
+        """Recover after ``cause`` (a failed collective); returns the new groups. Raises
+        GroupEnded when this rank is left out or the group cannot go on (the reason)."""
+        m = self.membership
+        old = m.members
+        started_at, t0 = time.time(), time.monotonic()
+        m.leave_world()
+        if m.spec.rank == 0:
+            members = m.decide(known_dead, self.timeout_s + CHECK_IN_MARGIN_S)
+            if not members:
+                raise GroupEnded(
+                    f"a collective failed but every rank is alive ({cause}): elastic EP "
+                    "survives rank losses, not errors of a live rank"
+                )
+        else:
+            m.check_in()
+            members = m.follow(3 * (self.timeout_s + CHECK_IN_MARGIN_S))
+        t1 = time.monotonic()
+        logger.warning(
+            "elastic EP: generation %d: ranks %s (lost %s) after: %s",
+            m.generation,
+            list(members),
+            sorted(set(old) - set(members)),
+            cause,
+        )
+        groups = m.init_world(self.config.dist_timeout_s)
+        t2 = time.monotonic()
+        mine: dict = {"error": None}
+        try:
+            mine.update(dataclasses.asdict(regroup_engine(engine, groups)))
+        except (ValueError, RuntimeError, OSError) as e:
+            mine["error"] = f"rank {m.spec.rank} could not take its share: {e}"
+        reports = all_gather_json(mine, groups.world)  # the confirmation
+        errors = [r["error"] for r in reports if r["error"]]
+        if errors:
+            m.leave_world()
+            raise GroupEnded(errors[0])
+        self.start_serving(groups)
+        return groups, Recovery(
+            m.generation,
+            started_at,
+            tuple(sorted(set(old) - set(members))),
+            members,
+            t1 - t0,
+            t2 - t1,
+            max(r["reload_s"] for r in reports),
+            sum(r["experts_reloaded"] for r in reports),
+            sum(r["bytes_read"] for r in reports),
+            sum(r["requests_dropped"] for r in reports),
+        )
