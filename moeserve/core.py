@@ -221,8 +221,8 @@ class Sequence:
     first_token_time: float | None = None
     kv_role: KVRole = KVRole.LOCAL
     error: str | None = None  # why it ended abnormally (a failed KV transfer), for the caller
-    # resumed (resume_from): its outputs' KV is computed again one token per step, through
-    # the decode path that first computed it, so what follows matches an uninterrupted run
+    # resumed (resume_from): its outputs' KV is computed again through the decode path that
+    # first computed it (a row per token), so what follows matches an uninterrupted run
     replay_outputs: bool = False
 
     def __post_init__(self) -> None:
@@ -294,7 +294,7 @@ class Sequence:
 
     def resume_from(self, progress: SampleProgress) -> None:
         """Continue after ``progress``: its tokens become this sequence's outputs (their KV is
-        computed again, one token per step: ``replay_outputs``), and a seeded random sample's
+        computed again through the decode path: ``replay_outputs``), and a seeded random sample's
         generator skips the one draw each of them took, so the tokens after them are the
         ones an uninterrupted run samples."""
         if self.output_token_ids or self.num_computed_tokens:
@@ -380,14 +380,23 @@ class ScheduledSeq:
         numbers must not depend on how it was cached or split."""
         return self.num_new_tokens == 1 and self.start >= self.seq.num_prompt_tokens
 
+    @property
+    def as_decode_rows(self) -> bool:
+        """Run as decode rows, one per token, each over the context before it: a decode, or a
+        resumed sequence's chunk of earlier outputs (``Sequence.replay_outputs``), whose KV
+        must round as the decodes that first computed it did."""
+        return self.is_decode or (
+            self.seq.replay_outputs and self.start >= self.seq.num_prompt_tokens
+        )
+
 
 @dataclass(frozen=True)
 class Batch:
     """What the scheduler hands the model runner for one step.
 
-    Decodes (:attr:`ScheduledSeq.is_decode`) come first, then prefill chunks (one or more
-    prompt tokens, or recomputed tokens after a preemption); the attention backends rely on
-    that order.
+    Decode rows (:attr:`ScheduledSeq.as_decode_rows`) come first, then prefill chunks (one or
+    more prompt tokens, or recomputed tokens after a preemption); the attention backends rely
+    on that order.
     """
 
     seqs: tuple[ScheduledSeq, ...]
@@ -398,7 +407,8 @@ class Batch:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for s in self.seqs if s.is_decode)
+        """Rows that run as decodes (the first ones of the step)."""
+        return sum(s.num_new_tokens for s in self.seqs if s.as_decode_rows)
 
     def __len__(self) -> int:
         return len(self.seqs)

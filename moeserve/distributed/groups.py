@@ -7,6 +7,7 @@ single-process model runs the same code with :meth:`ParallelGroups.single`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +80,17 @@ class ParallelGroups:
     def replica_leader_index(self) -> int:
         """Index in ``replica`` of the rank that samples: last stage, tp rank 0."""
         return self.replica.ranks.index(self.dims.rank_of(self.coords.dp_rank, self.dims.pp - 1, 0))
+
+    def without_handles(self) -> ParallelGroups:
+        """The same coordinates without the process groups (elastic EP, as a group fails: a
+        group's connections close only once nothing holds it)."""
+        return ParallelGroups(
+            self.dims,
+            self.coords,
+            *(dataclasses.replace(a, group=None) for a in (self.tp, self.ep, self.pp)),
+            dataclasses.replace(self.replica, group=None),
+            dataclasses.replace(self.world, group=None),
+        )
 
     @staticmethod
     def single() -> ParallelGroups:

@@ -339,6 +339,17 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.add(seq, resumed=True)
 
+    def release_groups(self) -> None:
+        """Drop every handle on this rank's process groups (elastic EP, as the group fails):
+        a group's connections close only once nothing holds it, and only then do the peers
+        blocked on this rank fail at once instead of at their collective timeout."""
+        detached = self.groups.without_handles()
+        self.groups = self.model.groups = self.runner.groups = detached
+        for _, block in self.model.moe_blocks():
+            block.release_group()
+        if self.eplb is not None:
+            self.eplb.regroup(detached.ep, detached.world)
+
     def regroup(self, groups: ParallelGroups) -> None:
         """Take part in a new generation's groups (elastic EP: ``engine/regroup.py`` moved
         the MoE layers already); the runner and the balancer follow."""

@@ -59,16 +59,16 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         positions: list[int] = []
+        starts, nums, tables = [], [], []
         for s in batch.seqs:
             ids.extend(s.seq.token_ids_slice(s.start, s.end))
             positions.extend(range(s.start, s.end))
+            rows = attention_rows(s.start, s.num_new_tokens, s.seq.block_table, s.as_decode_rows)
+            starts += rows[0]
+            nums += rows[1]
+            tables += rows[2]
         meta = AttentionMetadata.build(
-            [s.start for s in batch.seqs],
-            [s.num_new_tokens for s in batch.seqs],
-            [s.seq.block_table for s in batch.seqs],
-            self.block_size,
-            self.device,
-            num_decodes=batch.num_decodes,
+            starts, nums, tables, self.block_size, self.device, num_decodes=batch.num_decodes
         )
         to = dict(dtype=torch.long, device=self.device)
         return torch.tensor(ids, **to), torch.tensor(positions, **to), meta

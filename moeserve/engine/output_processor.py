@@ -88,7 +88,12 @@ class OutputProcessor:
                 sample.num_tokens_seen = sample.num_tokens_sent = done
                 sample.finish_sent = seq.is_finished
             samples.append(sample)
-        self.requests[request_id] = _RequestState(request_id, prompt, prompt_ids, params, samples)
+        state = _RequestState(request_id, prompt, prompt_ids, params, samples)
+        # a resumed request's caller had its prompt logprobs with its first output
+        state.prompt_logprobs_sent = params.output_kind == "delta" and any(
+            s.num_tokens_sent for s in samples
+        )
+        self.requests[request_id] = state
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

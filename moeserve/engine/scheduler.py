@@ -238,8 +238,9 @@ class Scheduler:
 
         if not scheduled:
             return None
-        # decodes (one generated token) first, then prefill chunks; stable within each group
-        order = sorted(range(len(scheduled)), key=lambda j: not scheduled[j].is_decode)
+        # decode rows (a generated token, or a resumed sequence's earlier outputs) first, then
+        # prefill chunks; stable within each group
+        order = sorted(range(len(scheduled)), key=lambda j: not scheduled[j].as_decode_rows)
         entries = tuple(scheduled[j] for j in order)
         if not self.config.num_spec_tokens:
             return Batch(entries)
@@ -472,14 +473,17 @@ class Scheduler:
                 raise AssertionError(f"scheduler: waiting sequence {seq.seq_id} holds KV state")
 
 
+REPLAY_ROWS = 32  # a resumed sequence's earlier outputs recomputed per step, at most
+
+
 def _replay_chunk(seq: Sequence, start: int, n: int) -> int:
     """How many of the ``n`` tokens from ``start`` a sequence computes this step: all of them,
-    except for a resumed sequence (``Sequence.replay_outputs``), which computes the rest of its
-    prompt in chunks and then its earlier outputs one per step. Through the decode path, as
-    they were first computed, their KV rounds as it did, so the tokens sampled after them are
-    the ones an uninterrupted run samples (the prefill path rounds differently)."""
+    except for a resumed sequence (``Sequence.replay_outputs``): the rest of its prompt (in
+    chunks, as any prompt), then its earlier outputs ``REPLAY_ROWS`` at a time as decode rows
+    (``ScheduledSeq.as_decode_rows``). The prefill path would round their KV otherwise than
+    the decodes that first computed it, and the tokens after them could differ."""
     if not seq.replay_outputs:
         return n
     if start < seq.num_prompt_tokens:
         return min(n, seq.num_prompt_tokens - start)
-    return min(n, 1)
+    return min(n, REPLAY_ROWS)

@@ -136,6 +136,7 @@ def serve_steps(
         except RuntimeError as e:
             if elastic is None or isinstance(e, GroupEnded):
                 raise
+            groups = groups.without_handles()  # the failed group closes once nothing holds it
             groups, _ = elastic.recover(engine, e)
 
 
@@ -465,6 +466,7 @@ class EngineGroup:
         unfinished request again on the survivors, from what its caller has received. False
         (``failure`` says why) when the group cannot go on."""
         t0 = time.monotonic()
+        self.groups = self.groups.without_handles()  # the failed group closes once unheld
         try:
             groups, rec = self._elastic.recover(self.engine, cause, self._known_dead)
         except (GroupEnded, ValueError, RuntimeError, OSError) as e:

@@ -15,6 +15,7 @@ hears it at the confirmation and the group ends with that reason (:class:`GroupE
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -73,6 +74,8 @@ class ElasticRank:
         m = self.membership
         old = m.members
         started_at, t0 = time.time(), time.monotonic()
+        engine.release_groups()  # with the frames below: nothing holds the failed group
+        cause = _without_frames(cause)
         m.leave_world()
         if m.spec.rank == 0:
             members = m.decide(known_dead, self.timeout_s + CHECK_IN_MARGIN_S)
@@ -117,3 +120,16 @@ class ElasticRank:
             sum(r["bytes_read"] for r in reports),
             sum(r["requests_dropped"] for r in reports),
         )
+
+
+def _without_frames(cause: BaseException) -> RuntimeError:
+    """A copy of ``cause`` that holds no frame. A failed step's frames hold its collectives'
+    pending work, which keeps the process group's connections open after it is destroyed:
+    the peers blocked on this rank would then wait for the collective timeout instead of
+    failing at once. The frames go now (and what they hold, collected)."""
+    text = f"{type(cause).__name__}: {cause}" if not isinstance(cause, RuntimeError) else str(cause)
+    for e in (cause, cause.__cause__, cause.__context__):
+        if e is not None:
+            e.__traceback__ = None
+    gc.collect()
+    return RuntimeError(text)

@@ -17,6 +17,8 @@ K top-k, R rows dispatched to this rank.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -123,6 +125,12 @@ class MoEBlock(nn.Module):
             )
         self.placement = placement
         self.experts.slot_experts = placement.local_logical(self.ep.rank)
+
+    def release_group(self) -> None:
+        """Drop the handles on the EP process group (elastic EP, as it fails); :meth:`reform`
+        gives new ones. Routes nowhere meanwhile."""
+        self.ep = dataclasses.replace(self.ep, group=None)
+        self.dispatcher = LocalDispatcher()
 
     def reform(self, ep: Axis, placement: ExpertPlacement) -> None:
         """Route over a new EP group by ``placement`` from now on (elastic EP, after a rank

@@ -47,10 +47,18 @@ def tokens(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
+KILLED_AT: dict[int, float] = {}  # pid -> time.time() of its signal
+
+
 def kill_later(llm: LLM, rank: int, after_s: float, sig: int = signal.SIGKILL) -> int:
     """Send ``sig`` to launch rank ``rank`` of the group ``after_s`` from now; returns its pid."""
     pid = llm.engine.workers.procs[rank].pid
-    threading.Timer(after_s, os.kill, (pid, sig)).start()
+
+    def send() -> None:
+        KILLED_AT[pid] = time.time()
+        os.kill(pid, sig)
+
+    threading.Timer(after_s, send).start()
     return pid
 
 
@@ -70,12 +78,16 @@ def test_two_ranks_lost_one_after_the_other(checkpoint, reference):
     # 32 slots for 16 experts: two survivors can still hold every expert
     llm = LLM(model=str(checkpoint), **ENGINE, **ELASTIC, num_redundant_experts=16)
     try:
-        kill_later(llm, 2, 0.5)
+        first = kill_later(llm, 2, 0.5)
         assert tokens(llm.generate(prompts(), GREEDY)) == greedy
         check_survivors(llm, 3, 1)
-        kill_later(llm, 1, 0.5)
+        second = kill_later(llm, 1, 0.5)
         assert tokens(llm.generate(prompts(), SEEDED)) == seeded
         check_survivors(llm, 2, 2)
+        # a killed rank's connections reset at once: no survivor waits for a timeout (a
+        # handle on the failed group kept alive would make one wait the full 10 s)
+        for pid, rec in zip((first, second), llm.engine.recoveries):
+            assert rec.started_at - KILLED_AT[pid] < 3.0
         assert tokens(llm.generate(prompts(), GREEDY)) == greedy
     finally:
         llm.engine.shutdown()

@@ -118,3 +118,22 @@ def test_bad_progress_is_refused(llm):
 
 def _text(llm, completion, k: int) -> str:
     return llm.engine.tokenizer.decode(completion.token_ids[:k])
+
+
+def test_earlier_outputs_are_recomputed_as_decode_rows(llm):
+    """The prompt in one chunk (the prefill path), then the earlier outputs 32 per step as
+    decode rows, then the next token sampled from the last of them."""
+    engine = llm.engine
+    done = SampleProgress(tuple(range(100, 140)))  # 40 earlier outputs
+    engine.add_tokenized("rows", PROMPT, SamplingParams(max_tokens=45), None, [done])
+    seen = []
+    for _ in range(3):
+        batch = engine.scheduler.schedule()
+        (entry,) = batch.seqs
+        seen.append((entry.num_new_tokens, entry.as_decode_rows, entry.sample))
+        results = engine.runner.run(batch)
+        engine.scheduler.update(batch, [(r.token_id, r.logprobs) for r in results])
+    assert seen == [(8, False, False), (32, True, False), (8, True, True)]
+    assert batch.num_decodes == 8
+    engine.abort_request("rows")
+    engine.scheduler.check_integrity()
