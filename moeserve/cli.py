@@ -108,6 +108,13 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         help="survive the loss of a rank other than rank 0: the others go on without it",
     )
     g.add_argument(
+        "--elastic-rejoin",
+        default=None,
+        metavar="RANKS",
+        help="with --enable-elastic-ep: start these launch ranks (comma-separated) to join the "
+        "running group at --master-addr:--master-port in place of lost ones",
+    )
+    g.add_argument(
         "--elastic-ep-timeout",
         type=float,
         default=10.0,
@@ -171,6 +178,18 @@ def _add_eplb_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _ranks(text: str | None) -> tuple[int, ...]:
+    """``--elastic-rejoin 2,3`` as launch ranks."""
+    if not text:
+        return ()
+    try:
+        return tuple(int(r) for r in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--elastic-rejoin takes launch ranks like 2 or 2,3, got {text!r}"
+        ) from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the engine and parallel flags (shared by every command)."""
     dp, ep_on = args.dp, args.enable_expert_parallel
@@ -216,6 +235,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dist_timeout_s=args.dist_timeout,
         enable_elastic_ep=args.enable_elastic_ep,
         elastic_ep_timeout_s=args.elastic_ep_timeout,
+        elastic_rejoin=_ranks(args.elastic_rejoin),
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
@@ -288,7 +308,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     kwargs.update(disaggregation_kwargs(args))
     config = EngineConfig(**kwargs, progress=True, shutdown_grace_s=args.shutdown_timeout + 15)
     role = serve_role(config, os.environ)
-    if role == HOST:  # --node-rank >= 1: this host's ranks, no HTTP
+    if role == HOST:  # --node-rank >= 1, or replacements joining an elastic group: no HTTP
         return run_host(config)
     if role == RANK:  # a rank > 0 that torchrun or srun started
         return run_external_rank(config, os.environ)

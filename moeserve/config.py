@@ -147,6 +147,8 @@ class EngineConfig:
     # elastic EP (launch/elastic.py): the survivors of a rank loss go on without it
     enable_elastic_ep: bool = False
     elastic_ep_timeout_s: float = 10.0  # a silent peer fails a collective after this long
+    # launch ranks this process starts to join a running elastic group (replacements)
+    elastic_rejoin: tuple[int, ...] = ()
     # a rank > 0 that gets SIGTERM waits this long for rank 0's stop (node 0 drains first)
     shutdown_grace_s: float = 45.0
     # joining ranks started elsewhere (torchrun, Slurm, other hosts); None: spawn them here
@@ -220,6 +222,17 @@ class EngineConfig:
                 )
 
     def _check_elastic(self) -> None:
+        object.__setattr__(self, "elastic_rejoin", tuple(int(r) for r in self.elastic_rejoin))
+        world = self.parallel_dims.world_size
+        if self.elastic_rejoin and (
+            not self.enable_elastic_ep
+            or any(not 0 < r < world for r in self.elastic_rejoin)
+            or self.master_port is None
+        ):
+            raise ValueError(
+                f"--elastic-rejoin {list(self.elastic_rejoin)}: needs --enable-elastic-ep, the "
+                f"running group's --master-addr and --master-port, and ranks in [1, {world})"
+            )
         if self.elastic_ep_timeout_s <= 0:
             raise ValueError(f"elastic_ep_timeout_s must be > 0, got {self.elastic_ep_timeout_s}")
         if not self.enable_elastic_ep:

@@ -450,7 +450,7 @@ class LLMEngine:
     def watch(
         self,
         on_failure: Callable[[str], None],
-        on_health: Callable[[list[str]], None],
+        on_health: Callable[[list[str], dict | None], None],
         on_stop: Callable[[str], None],
     ) -> None:
         """Nothing fails here outside the caller's own calls: the handlers are never called."""

@@ -99,13 +99,15 @@ class Engine(Protocol):
     def watch(
         self,
         on_failure: Callable[[str], None],
-        on_health: Callable[[list[str]], None],
+        on_health: Callable[[list[str], dict | None], None],
         on_stop: Callable[[str], None],
     ) -> None:
         """Hear of what happens outside the caller's calls: ``on_failure(reason)`` once the
-        engine failed (a rank of its group died), ``on_health(missing)`` when the ranks whose
-        heartbeat is late change, ``on_stop(reason)`` when a host of the group was asked to
-        stop. Each may run on another thread; an engine in one process never calls them."""
+        engine failed (a rank of its group died), ``on_health(missing, elastic)`` when the
+        ranks whose heartbeat is late change or (elastic EP: ``elastic`` says how, else None)
+        the group lost ranks or took replacements in, ``on_stop(reason)`` when a host of the
+        group was asked to stop. Each may run on another thread; an engine in one process
+        never calls them."""
         ...
 
     def announce_api(self, url: str) -> None:

@@ -9,7 +9,8 @@ Collective over the new world (every survivor calls :func:`regroup_engine` toget
              same on every rank; CannotHoldExperts on every rank when the slots are too few)
     apply    each layer routes over the new EP group; this rank reads the experts it must
              take from the checkpoint into their slots (sliced loading, as at start-up)
-    forget   every request (rank 0 queues them again); the KV cache passes its self-check
+    forget   every request (rank 0 queues them again; not when a replacement joined); the
+             KV cache passes its self-check
 
 Returns what it did, for the recovery's timings and logs.
 """
@@ -35,8 +36,10 @@ class RegroupReport:
     requests_dropped: int
 
 
-def regroup_engine(engine, groups: ParallelGroups) -> RegroupReport:
-    """Move ``engine`` (an ``LLMEngine``) onto ``groups``; see the module's doc."""
+def regroup_engine(engine, groups: ParallelGroups, drop_requests: bool = True) -> RegroupReport:
+    """Move ``engine`` (an ``LLMEngine``) onto ``groups``; see the module's doc. Without
+    ``drop_requests`` (a replacement joined: no rank was lost) the requests and their KV
+    stay."""
     blocks = engine.model.moe_blocks()
     loads = _loads(engine, blocks)
     mine = {
@@ -72,7 +75,7 @@ def regroup_engine(engine, groups: ParallelGroups) -> RegroupReport:
         bytes_read = report.num_bytes
     reload_s = time.perf_counter() - t0
     engine.regroup(groups)
-    dropped = engine.drop_all_requests()
+    dropped = engine.drop_all_requests() if drop_requests else []
     engine.scheduler.check_integrity()
     return RegroupReport(len(specs) // 3, bytes_read, reload_s, len(dropped))
 

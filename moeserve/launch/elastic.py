@@ -10,6 +10,7 @@ life: :func:`open_store`) holds::
     moeserve/elastic/<g>/members        its members (JSON list of launch ranks)
     moeserve/elastic/<g>/here/<rank>    a member of generation g whose collective failed
     moeserve/elastic/dead/<rank>        a rank seen dead by whoever spawned it
+    moeserve/elastic/join/<rank>        a replacement for launch rank <rank> waits to join
     moeserve/elastic/<g>/pg/...         generation g's process-group rendezvous
 
 A failed collective (a peer's connection reset: at once; a silent peer: the collective
@@ -26,10 +27,16 @@ timeout, ``elastic_ep_timeout_s``) sends every member here::
 A generation whose members are all of the last one (nobody died) ends the group instead:
 elastic EP survives rank losses, not errors of a live rank. Rank 0 publishes an empty
 member list then, and every member exits.
+
+A replacement (``--elastic-rejoin``) asks to join (join/<rank>) and waits for a generation
+that includes it. Rank 0 sees the request between two steps and tells the members to grow;
+every member leaves its generation, rank 0 publishes the next one (the members, then the
+replacements: no member's world rank changes) and all of them form it together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -39,7 +46,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from moeserve.distributed.groups import ParallelGroups
+from moeserve.distributed.groups import Axis, ParallelGroups
 from moeserve.distributed.parallel_dims import ParallelDims
 from moeserve.launch.liveness import connect_store
 from moeserve.launch.spec import LaunchSpec
@@ -48,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = "moeserve/elastic"
 _GEN_KEY = f"{_PREFIX}/gen"
+_JOINS_KEY = f"{_PREFIX}/joins"  # join requests so far (a counter): rank 0 scans when it moves
 CHECK_IN_MARGIN_S = 5.0  # rank 0 waits this long past the collective timeout for check-ins
 
 
@@ -57,6 +65,10 @@ class GroupEnded(RuntimeError):
 
 def _members_key(gen: int) -> str:
     return f"{_PREFIX}/{gen}/members"
+
+
+def _join_key(rank: int) -> str:
+    return f"{_PREFIX}/join/{rank}"
 
 
 def _here_key(gen: int, rank: int) -> str:
@@ -102,6 +114,18 @@ def set_collective_timeout(groups: ParallelGroups, seconds: float) -> None:
         group._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=seconds))
 
 
+def grown_config(config, num_ranks: int, num_experts: int):
+    """``config`` for a rank joining a group of ``num_ranks``: each rank keeps the slots per
+    rank of the original layout, so the redundant slots follow the rank count."""
+    S = (num_experts + config.num_redundant_experts) // config.data_parallel_size
+    return dataclasses.replace(
+        config,
+        data_parallel_size=num_ranks,
+        num_redundant_experts=num_ranks * S - num_experts,
+        elastic_rejoin=(),
+    )
+
+
 def elastic_dims(num_ranks: int) -> ParallelDims:
     """An elastic group's layout: every rank its own DP replica, the experts over all."""
     return ParallelDims(tp=1, dp=num_ranks, pp=1, enable_expert_parallel=True)
@@ -110,11 +134,15 @@ def elastic_dims(num_ranks: int) -> ParallelDims:
 class Membership:
     """This process's view of the generations (see the module's doc)."""
 
-    def __init__(self, spec: LaunchSpec, store: dist.TCPStore, backend: str) -> None:
+    def __init__(
+        self, spec: LaunchSpec, store: dist.TCPStore, backend: str, joining: bool = False
+    ) -> None:
+        """``joining``: a replacement, whose generation :meth:`join` finds."""
         self.spec, self.store, self.backend = spec, store, backend
         self.generation = 0
         self.members: tuple[int, ...] = tuple(range(spec.world_size))
-        if spec.rank == 0:
+        self._joins_seen = 0
+        if spec.rank == 0 and not joining:
             store.set(_GEN_KEY, "0")
             store.set(_members_key(0), json.dumps(list(self.members)))
 
@@ -189,6 +217,59 @@ class Membership:
             )
         return self._advance(nxt)
 
+    def joiners(self) -> list[int]:
+        """Rank 0: the launch ranks waiting to join (not members now); one store request
+        while nobody asked since the last look."""
+        asked = self.store.add(_JOINS_KEY, 0)
+        if asked == self._joins_seen:
+            return []
+        world = self.spec.world_size
+        found = [
+            r for r in range(1, world) if r not in self.members and self.store.check([_join_key(r)])
+        ]
+        if not found:  # every request seen is served (or withdrawn)
+            self._joins_seen = asked
+        return found
+
+    def grow(self, joiners: list[int]) -> tuple[int, ...]:
+        """Rank 0: publish the next generation, the members then ``joiners``."""
+        gen = self.generation
+        nxt = (*self.members, *joiners)
+        for r in joiners:
+            self.store.delete_key(_join_key(r))
+        self.store.set(_members_key(gen + 1), json.dumps(list(nxt)))
+        self.store.set(_GEN_KEY, str(gen + 1))
+        return self._advance(nxt)
+
+    def current_members(self) -> tuple[int, ...]:
+        """The members of the newest generation, as the store has them."""
+        gen = int(self.store.get(_GEN_KEY))
+        return tuple(json.loads(self.store.get(_members_key(gen))))
+
+    def join(self, wait_s: float) -> tuple[int, ...]:
+        """A replacement: ask to join and wait (up to ``wait_s``) for the generation that
+        includes this rank; its members. Raises GroupEnded when none comes, and ValueError
+        when this launch rank is a member now."""
+        rank = self.spec.rank
+        gen = int(self.store.get(_GEN_KEY))
+        members = json.loads(self.store.get(_members_key(gen)))
+        if rank in members:
+            raise ValueError(f"launch rank {rank} is a member of the running group already")
+        self.store.delete_key(dead_key(rank))  # its predecessor's death is history
+        self.store.set(_join_key(rank), "1")
+        self.store.add(_JOINS_KEY, 1)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            gen = int(self.store.get(_GEN_KEY))
+            members = json.loads(self.store.get(_members_key(gen)))
+            if rank in members:
+                self.generation = gen
+                self.members = tuple(members)
+                return self.members
+            time.sleep(0.1)
+        self.store.delete_key(_join_key(rank))
+        raise GroupEnded(f"the group did not take launch rank {rank} in within {wait_s:.0f}s")
+
     def _advance(self, members: tuple[int, ...]) -> tuple[int, ...]:
         self.generation += 1
         self.members = members
@@ -196,6 +277,23 @@ class Membership:
 
     def _reported_dead(self) -> set[int]:
         return {r for r in self.members if self.store.check([dead_key(r)])}
+
+
+def detached_groups(num_ranks: int, index: int) -> ParallelGroups:
+    """The groups world rank ``index`` of ``num_ranks`` will have, without process groups: a
+    replacement builds its engine (loads its weights) on these before it joins, so the group
+    does not wait for its loading; the real ones replace them when it joins."""
+    dims = elastic_dims(num_ranks)
+    ranks = tuple(range(num_ranks))
+    return ParallelGroups(
+        dims,
+        dims.coords(index),
+        Axis.single("tp", index),
+        Axis("ep", num_ranks, index, ranks),
+        Axis.single("pp", index),
+        Axis.single("replica", index),
+        Axis("world", num_ranks, index, ranks),
+    )
 
 
 def _alone(dims: ParallelDims) -> ParallelGroups:

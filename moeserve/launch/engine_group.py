@@ -61,6 +61,8 @@ from moeserve.launch.spec import LaunchSpec
 logger = logging.getLogger(__name__)
 
 STEP, STOP, INFO, STATS, PING = "step", "stop", "info", "stats", "ping"
+GROW = "grow"  # elastic EP: replacements wait to join; every member forms the next generation
+_JOIN_CHECK_S = 1.0  # how often rank 0 looks for replacements waiting to join
 _GRACE_S = 10.0  # after a failure, how long the caller may take to close the group itself
 EPLB = "eplb"  # {cmd: eplb, action: rebalance | dump | status, path}: every rank, at once
 
@@ -131,7 +133,8 @@ def serve_steps(
         elastic.start_serving(groups)
     while True:
         try:
-            if not _serve_one(engine, groups):
+            groups = _serve_one(engine, groups, elastic)
+            if groups is None:
                 return
         except RuntimeError as e:
             if elastic is None or isinstance(e, GroupEnded):
@@ -140,12 +143,17 @@ def serve_steps(
             groups, _ = elastic.recover(engine, e)
 
 
-def _serve_one(engine: LLMEngine, groups: ParallelGroups) -> bool:
-    """Follow one message of rank 0; False once it said stop."""
+def _serve_one(
+    engine: LLMEngine, groups: ParallelGroups, elastic: ElasticRank | None
+) -> ParallelGroups | None:
+    """Follow one message of rank 0; returns the groups to follow the next one on (new ones
+    after the group grew), None once rank 0 said stop."""
     msg = broadcast_json(None, groups.world, 0)
     if msg["cmd"] == STOP:
         engine.scheduler.check_integrity()
-        return False
+        return None
+    if msg["cmd"] == GROW and elastic is not None:
+        return elastic.grow(engine)
     if msg["cmd"] == INFO:
         all_gather_json(rank_info(engine, groups), groups.world)
     elif msg["cmd"] == STATS:
@@ -159,7 +167,7 @@ def _serve_one(engine: LLMEngine, groups: ParallelGroups) -> bool:
         outputs = run_step(engine, groups, msg)
         stats = engine.stats(False) if msg.get("stats") else None
         exchange_outputs(groups, outputs, stats, engine.kv_events())
-    return True  # PING: only woke this rank
+    return groups  # PING: only woke this rank
 
 
 class EngineGroup:
@@ -190,15 +198,17 @@ class EngineGroup:
         self._spec = spec
         self.failure: str | None = None  # why the group ended, when it failed
         self._on_failure: Callable[[str], None] = lambda reason: None
-        self._on_health: Callable[[list[str]], None] = lambda missing: None
+        self._on_health: Callable[[list[str], dict | None], None] = lambda missing, el: None
         self._on_stop: Callable[[str], None] = lambda reason: None
         self._elastic = elastic
-        self.lost: dict[int, str] = {}  # elastic EP: launch rank -> why it was given up
+        self.lost: dict[int, str] = {}  # elastic EP: launch rank -> why it was last given up
+        self.rank_failures = 0  # ranks lost so far (one rank lost twice counts twice)
+        self._dead_now: set[int] = set()  # seen dead, not yet left out by a recovery
         self.recoveries: list[Recovery] = []
         self.recovery_seconds: list[float] = []
         self._monitor = RankMonitor(
             spec,
-            on_health=lambda missing: self._on_health(missing),
+            on_health=lambda missing: self._on_health(missing, self._elastic_or_none()),
             on_failure=self.fail,
             on_stop=lambda reason: self._on_stop(reason),
             dead_after_s=min(self.config.dist_timeout_s, 10.0),
@@ -210,6 +220,8 @@ class EngineGroup:
         self._finishes: list[tuple[str, int, str | None]] = []
         # unfinished requests: their replicas, and what their callers have received
         self._ledger = RequestLedger(groups.dims.dp)
+        self.joined: list[int] = []  # elastic EP: launch ranks taken in as replacements
+        self._next_join_check = 0.0
         self.closed = False
         # one command at a time on the wire: the caller's, or the keep-awake thread's ping
         self._lock = threading.RLock()
@@ -304,15 +316,22 @@ class EngineGroup:
             stats["elastic"] = self.elastic_status()
         return stats
 
+    def _elastic_or_none(self) -> dict | None:
+        return self.elastic_status() if self._elastic is not None else None
+
     def elastic_status(self) -> dict:
         """Live ranks, losses and recoveries so far (``/health``, ``/metrics``)."""
         return {
             "live_ranks": self.groups.dims.world_size,
+            "members": list(self._elastic.membership.members),
             "world_size": self._spec.world_size,
-            "rank_failures": len(self.lost),
+            "rank_failures": self.rank_failures,
             "recoveries": len(self.recoveries),
             "recovery_seconds": list(self.recovery_seconds),
-            "lost": [self.lost[r] for r in sorted(self.lost)],
+            "lost": [
+                self.lost[r] for r in sorted(self.lost) if r not in self._elastic.membership.members
+            ],
+            "rejoins": len(self.joined),
             "history": [
                 {**dataclasses.asdict(r), "total_s": s}
                 for r, s in zip(self.recoveries, self.recovery_seconds)
@@ -320,6 +339,7 @@ class EngineGroup:
         }
 
     def _step(self, with_stats: bool) -> tuple[list[RequestOutput], list[dict]]:
+        self._take_joiners()
         msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts, "finish": self._finishes}
         if with_stats:
             msg["stats"] = True
@@ -393,6 +413,7 @@ class EngineGroup:
         """Wake the workers without a step (their wait for rank 0's next message is a
         collective with the group's timeout). A background thread calls this whenever the
         group has been quiet for a few seconds, so an idle group never times out."""
+        self._take_joiners()  # an idle group takes replacements in too
         self._collective(lambda: broadcast_json({"cmd": PING}, self.groups.world, 0))
 
     def rank_info(self) -> list[dict]:
@@ -440,11 +461,13 @@ class EngineGroup:
     def watch(
         self,
         on_failure: Callable[[str], None],
-        on_health: Callable[[list[str]], None],
+        on_health: Callable[[list[str], dict | None], None],
         on_stop: Callable[[str], None],
     ) -> None:
         """``on_failure(reason)``: the group failed (called once, from any thread, at once);
-        ``on_health(missing)``: the ranks whose heartbeat is late changed (a line each);
+        ``on_health(missing, elastic)``: the ranks whose heartbeat is late changed (a line
+        each), or (elastic EP) the group lost ranks or took replacements in (``elastic``:
+        :meth:`elastic_status`; None without elastic EP);
         ``on_stop(reason)``: another host was asked to stop (SIGTERM). With elastic EP a lost
         rank is not a failure: the stats say what the group went on with (``elastic``)."""
         self._on_failure, self._on_health, self._on_stop = on_failure, on_health, on_stop
@@ -453,13 +476,45 @@ class EngineGroup:
         """Elastic EP, from a watcher's thread: launch rank ``rank`` is dead (its exit was
         seen, or its heartbeat stopped). The collective that fails on it starts the
         recovery, which leaves it out at once instead of waiting for its check-in."""
-        if rank not in self.lost:
+        if rank not in self._dead_now:
             logger.error("engine group: %s; the others go on without it", reason)
+            self._dead_now.add(rank)
             self.lost[rank] = reason
+
+    def _take_joiners(self) -> None:
+        """Elastic EP, between two steps (at most every ``_JOIN_CHECK_S``): when replacements
+        wait to join, every member forms the next generation with them (:meth:`ElasticRank.
+        grow`); each keeps its requests and KV, the new replicas take new requests."""
+        if self._elastic is None or time.monotonic() < self._next_join_check:
+            return
+        self._next_join_check = time.monotonic() + _JOIN_CHECK_S
+        with self._lock:
+            joiners = self._elastic.membership.joiners()
+            if not joiners:
+                return
+
+            def grow() -> ParallelGroups:
+                broadcast_json({"cmd": GROW}, self.groups.world, 0)
+                self.groups = self.groups.without_handles()
+                return self._elastic.grow(self.engine)
+
+            self.groups = self._collective(grow, again=lambda: self.groups)
+            joiners = [r for r in joiners if r in self._elastic.membership.members]
+            if not joiners:  # a loss came first: the recovery took over
+                return
+            self._ledger.load += [0] * (self.groups.dims.dp - len(self._ledger.load))
+            self._monitor.watch_again(joiners)
+            self.joined += joiners
+            self._on_health(self._monitor.missing, self.elastic_status())
+            logger.warning(
+                "engine group: ranks %s joined: %d rank(s) live",
+                joiners,
+                self.groups.dims.world_size,
+            )
 
     def _known_dead(self) -> set[int]:
         """Ranks a recovery need not wait for: seen dead, or silent for a while."""
-        return set(self.lost) | self._monitor.silent_ranks(MISSING_AFTER_S)
+        return set(self._dead_now) | self._monitor.silent_ranks(MISSING_AFTER_S)
 
     def _recover(self, cause: BaseException) -> bool:
         """Elastic EP: go on without the lost ranks (``launch/recovery.py``) and queue every
@@ -475,12 +530,16 @@ class EngineGroup:
         self.groups = groups
         why = str(cause).split(". ")[0]  # gloo's first sentence names the broken link
         for rank in rec.lost:
-            self.lost.setdefault(rank, f"{self._monitor.describe(rank)} was lost: {why}")
+            if rank not in self._dead_now:  # nobody saw it die: its link broke
+                self.lost[rank] = f"{self._monitor.describe(rank)} was lost: {why}"
+            self.rank_failures += 1
+        self._dead_now -= set(rec.lost)
         self._monitor.forget(rec.lost)
         self._adds = [_add_message(t, resumed=True) for t in self._ledger.reassign(groups.dims.dp)]
         self._aborts = []
         self.recoveries.append(rec)
         self.recovery_seconds.append(time.monotonic() - t0)
+        self._on_health(self._monitor.missing, self.elastic_status())
         logger.warning(
             "engine group: recovered in %.2fs (agree %.2fs, join %.2fs, reload %.2fs of %d "
             "expert(s)); %d rank(s) live, %d request(s) queued again",

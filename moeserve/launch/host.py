@@ -7,7 +7,9 @@ The API runs where world rank 0 runs (node 0). Every other ``serve`` is one of t
   exit 0 (rank 0 stopped the group) it exits 0; when one fails it reports the failure to
   the group (``liveness.publish_failure``: node 0 then names it and ends the service), kills
   the others and exits 1. With elastic EP it reports the dead rank instead
-  (``elastic.report_dead``: the others go on without it) and keeps watching the rest.
+  (``elastic.report_dead``: the others go on without it) and keeps watching the rest. With
+  ``--elastic-rejoin RANKS`` (on any host) it starts only those ranks, which join a running
+  elastic group in place of lost ones.
 - a rank > 0 started by torchrun or srun: :func:`~moeserve.launch.start.run_rank` in this
   very process.
 
@@ -43,7 +45,7 @@ def serve_role(config: EngineConfig, env: Mapping[str, str]) -> str:
     external = detect_external(env)
     if external is not None:
         return API if external.rank == 0 else RANK
-    return API if config.node_rank == 0 else HOST
+    return API if config.node_rank == 0 and not config.elastic_rejoin else HOST
 
 
 def run_external_rank(config: EngineConfig, env: Mapping[str, str]) -> int:
@@ -72,6 +74,13 @@ def run_host(config: EngineConfig) -> int:
     once. Returns the exit code."""
     dims = config.parallel_dims
     specs = local_specs(config)
+    if config.elastic_rejoin:  # replacements: only these ranks, joining a running group
+        specs = [s for s in specs if s.rank in config.elastic_rejoin]
+        if len(specs) != len(config.elastic_rejoin):
+            raise ValueError(
+                f"--elastic-rejoin {list(config.elastic_rejoin)}: node {config.node_rank} runs "
+                f"ranks {[s.rank for s in local_specs(config)]}"
+            )
     check_layout(ModelConfig.from_dir(config.model), dims, config.moe_options)
     check_rendezvous(specs[0])
     grace_s = config.shutdown_grace_s
@@ -89,7 +98,7 @@ def run_host(config: EngineConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    workers = WorkerProcesses(specs, config, bindings(config, len(specs)))
+    workers = WorkerProcesses(specs, config, bindings(config, specs[0].local_world_size))
     ranks = [s.rank for s in specs]
     logger.info(
         "node %d of %d: ranks %d-%d of %d (%s); the API runs on node 0, rendezvous %s:%d",

@@ -280,6 +280,16 @@ class RankMonitor:
         with self._lock:
             self.table.forget(ranks)
 
+    def watch_again(self, ranks) -> None:
+        """Watch ``ranks`` (replacements that joined) from now on, as new ranks."""
+        with self._lock:
+            now = time.monotonic()
+            for r in ranks:
+                self.table.counters[r] = None
+                self.table.moved_at[r] = now
+                self.table.who.pop(r, None)
+                self._reported_dead.discard(r)
+
     def culprit(self, wait_s: float) -> str | None:
         """The failure found, or the ranks missing, waiting up to ``wait_s`` for one (a
         collective fails the moment a peer's connection drops; its heartbeat stops later)."""

@@ -5,6 +5,10 @@ the next (``elastic.Membership``), join it, move the engine onto it
     rank 0       leave -> decide the members -> join -> regroup -> confirm
     rank > 0     leave -> check in -> follow rank 0's decision -> join -> regroup -> confirm
 
+A replacement rank joins the same way without a loss (:meth:`ElasticRank.grow` on the
+members, ``launch/start.py`` on the replacement): leave -> rank 0 adds the replacements ->
+join -> regroup (requests kept) -> confirm.
+
 Until the confirmation the new world's collectives wait up to ``dist_timeout_s`` (a
 survivor may read experts from the checkpoint meanwhile); after it, the short collective
 timeout applies again (``elastic_ep_timeout_s``: how long a silent rank takes to be noticed).
@@ -97,17 +101,7 @@ class ElasticRank:
         )
         groups = m.init_world(self.config.dist_timeout_s)
         t2 = time.monotonic()
-        mine: dict = {"error": None}
-        try:
-            mine.update(dataclasses.asdict(regroup_engine(engine, groups)))
-        except (ValueError, RuntimeError, OSError) as e:
-            mine["error"] = f"rank {m.spec.rank} could not take its share: {e}"
-        reports = all_gather_json(mine, groups.world)  # the confirmation
-        errors = [r["error"] for r in reports if r["error"]]
-        if errors:
-            m.leave_world()
-            raise GroupEnded(errors[0])
-        self.start_serving(groups)
+        reports = self.take_share(engine, groups, drop_requests=True)
         return groups, Recovery(
             m.generation,
             started_at,
@@ -120,6 +114,40 @@ class ElasticRank:
             sum(r["bytes_read"] for r in reports),
             sum(r["requests_dropped"] for r in reports),
         )
+
+    def grow(self, engine) -> ParallelGroups:
+        """Every member, told to between two steps (``{cmd: grow}``): leave this generation
+        and form the next with the replacements waiting to join (rank 0 decides it); this
+        rank keeps its requests and KV. Returns the new groups."""
+        m = self.membership
+        engine.release_groups()
+        gc.collect()
+        m.leave_world()
+        if m.spec.rank == 0:
+            members = m.grow(m.joiners())
+        else:
+            members = m.follow(3 * (self.timeout_s + CHECK_IN_MARGIN_S))
+        logger.warning("elastic EP: generation %d: ranks %s", m.generation, list(members))
+        groups = m.init_world(self.config.dist_timeout_s)
+        self.take_share(engine, groups, drop_requests=False)
+        return groups
+
+    def take_share(self, engine, groups: ParallelGroups, drop_requests: bool) -> list[dict]:
+        """With every rank of a new generation: move the engine onto ``groups``
+        (``regroup_engine``), then confirm together; returns every rank's report. Raises
+        GroupEnded, with the first rank's error, when one of them could not."""
+        mine: dict = {"error": None}
+        try:
+            mine.update(dataclasses.asdict(regroup_engine(engine, groups, drop_requests)))
+        except (ValueError, RuntimeError, OSError) as e:
+            mine["error"] = f"rank {self.membership.spec.rank} could not take its share: {e}"
+        reports = all_gather_json(mine, groups.world)  # the confirmation
+        errors = [r["error"] for r in reports if r["error"]]
+        if errors:
+            self.membership.leave_world()
+            raise GroupEnded(errors[0])
+        self.start_serving(groups)
+        return reports
 
 
 def _without_frames(cause: BaseException) -> RuntimeError:

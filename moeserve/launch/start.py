@@ -37,7 +37,13 @@ from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.interface import Engine
 from moeserve.launch.agreement import check_terms, group_terms, publish_terms
-from moeserve.launch.elastic import GroupEnded, Membership, open_store
+from moeserve.launch.elastic import (
+    GroupEnded,
+    Membership,
+    detached_groups,
+    grown_config,
+    open_store,
+)
 from moeserve.launch.engine_group import EngineGroup, serve_steps
 from moeserve.launch.liveness import Heartbeat, request_stop
 from moeserve.launch.netif import check_rendezvous, interface_towards
@@ -157,6 +163,9 @@ def run_rank(spec: LaunchSpec, config: EngineConfig, binding: RankBinding) -> in
     engine, groups, elastic = _join(spec, config, binding)
     heartbeat = Heartbeat(spec).start()
     try:
+        if spec.rank in config.elastic_rejoin:  # with the members, as they grow
+            elastic.take_share(engine, groups, drop_requests=False)
+            logger.warning("rank %d joined the group: %s", spec.rank, groups.dims.describe())
         serve_steps(engine, groups, elastic)
     except GroupEnded as e:
         sys.stderr.write(f"moeserve: rank {spec.rank} leaves: {e}\n")
@@ -166,6 +175,22 @@ def run_rank(spec: LaunchSpec, config: EngineConfig, binding: RankBinding) -> in
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _join_running(
+    spec: LaunchSpec, config: EngineConfig, backend: str
+) -> tuple[LLMEngine, ParallelGroups, ElasticRank]:
+    """A replacement (``--elastic-rejoin``): load this rank's share for the place it expects
+    (after the members), then ask to join and form the next generation with them; the group
+    pauses only for the joining, not for the loading (``ElasticRank.take_share`` follows)."""
+    membership = Membership(spec, open_store(spec, config.dist_timeout_s), backend, True)
+    expected = len(membership.current_members()) + 1
+    num_experts = ModelConfig.from_dir(config.model).num_experts
+    grown = grown_config(config, expected, num_experts)
+    engine = LLMEngine(grown, detached_groups(expected, expected - 1))
+    membership.join(config.dist_timeout_s)
+    groups = membership.init_world(config.dist_timeout_s)
+    return engine, groups, ElasticRank(grown, membership)
 
 
 def _exit_after(rank: int, grace_s: float) -> None:
@@ -225,6 +250,8 @@ def _join(
         backend = "cpu:gloo,cuda:nccl"
     elastic = None
     try:
+        if config.enable_elastic_ep and spec.rank in config.elastic_rejoin:
+            return _join_running(spec, config, backend)
         if config.enable_elastic_ep:
             # generations of the group meet on one store that rank 0 keeps (launch/elastic.py)
             store = open_store(spec, config.dist_timeout_s)

@@ -54,7 +54,10 @@ class MoEBlock(nn.Module):
             self.placement = ExpertPlacement.contiguous(
                 E, self.ep.size, self.options.num_redundant_experts, self._ep_nodes(groups)
             )
-            self.dispatcher = AllToAllDispatcher(self.ep.group)
+            # without its process group (a replacement loading before it joins: elastic EP)
+            # the layer waits for reform() to route
+            detached = self.ep.group is None
+            self.dispatcher = LocalDispatcher() if detached else AllToAllDispatcher(self.ep.group)
             slots = self.placement.local_logical(self.ep.rank)
             expert_tp = shared_tp = Axis.single("tp")  # whole experts; shared replicated
         else:

@@ -141,6 +141,7 @@ class EngineClient:
         self.stats: m.StatsSnapshot | None = None  # the engine's latest, as it published it
         self.stats_received_at = 0.0  # time.monotonic() when it arrived
         self.missing_ranks: list[str] = []  # the group's ranks whose heartbeat is late
+        self.elastic: dict | None = None  # elastic EP: the group's live ranks and losses
         self.last_heard = time.monotonic()  # when the engine last sent any message
         # prefill/decode disaggregation: the engine counts as stalled once it sent nothing
         # for this long while requests waited (None: never); set before wait_ready
@@ -195,6 +196,7 @@ class EngineClient:
                     raise EngineDeadError(msg.message)
                 if isinstance(msg, m.GroupHealth):  # the group formed; a rank is late already
                     self.missing_ranks = msg.missing
+                    self.elastic = msg.elastic or self.elastic
                     continue
                 if isinstance(msg, m.StopRequested):
                     self.stop_requested = msg.reason
@@ -341,6 +343,7 @@ class EngineClient:
                 elif self.missing_ranks:
                     logger.info("engine group: every rank is alive again")
                 self.missing_ranks = msg.missing
+                self.elastic = msg.elastic or self.elastic
             elif isinstance(msg, m.StopRequested):
                 self.stop_requested = msg.reason
             elif isinstance(msg, m.EngineDead):

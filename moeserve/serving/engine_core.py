@@ -284,7 +284,9 @@ def main(argv: list[str]) -> int:
         core = EngineCore(engine, inp, out, spec.get("parent_pid"), report_to=spec["output"])
         engine.watch(
             on_failure=core.engine_failed,
-            on_health=lambda missing: core.report_from_thread(m.GroupHealth(missing)),
+            on_health=lambda missing, elastic=None: core.report_from_thread(
+                m.GroupHealth(missing, elastic)
+            ),
             on_stop=lambda reason: core.report_from_thread(m.StopRequested(reason)),
         )
         grace = float(spec.get("term_grace_s", 0))

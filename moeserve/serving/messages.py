@@ -111,9 +111,12 @@ class StatsSnapshot:
 @dataclass(frozen=True)
 class GroupHealth:
     """The ranks of an engine group whose heartbeat is late, a line each naming the rank and
-    its host (empty: every rank is alive again). Sent when the list changes."""
+    its host (empty: every rank is alive again). Sent when the list changes, and with elastic
+    EP when the group lost ranks or took replacements in (``elastic``: its live ranks, world
+    size and lost ranks, ``EngineGroup.elastic_status``)."""
 
     missing: list[str] = field(default_factory=list)
+    elastic: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -95,10 +95,9 @@ class ServerState:
             raise unavailable(f"{len(missing)} rank(s) missing: " + "; ".join(missing))
 
     def degraded(self) -> dict | None:
-        """For /health: what an elastic engine group went on with after losing ranks (its
-        latest stats), or None while every rank serves."""
-        snap = self.client.stats
-        el = snap.stats.get("elastic") if snap is not None else None
+        """For /health: what an elastic engine group went on with after losing ranks (it says
+        so at once: GroupHealth), or None while every rank serves."""
+        el = self.client.elastic
         if not el or el["live_ranks"] >= el["world_size"]:
             return None
         return {

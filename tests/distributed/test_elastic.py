@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -154,3 +156,52 @@ def test_elastic_ep_needs_an_ep_layout(checkpoint):
         LLM(
             model=str(checkpoint), **ENGINE, **ELASTIC, tensor_parallel_size=2,
         )  # fmt: skip
+
+
+def test_a_replacement_rejoins_and_takes_requests(checkpoint, reference, tmp_path):
+    """Kill rank 2, then start a replacement (``moeserve serve ... --elastic-rejoin 2``, the
+    same flags): it loads, joins between two steps, takes a share of the experts and of the
+    new requests, and the outputs stay those of one process; a later loss of rank 3 keeps
+    it; the group stops cleanly with the replacement in it."""
+    from moeserve.launch.spec import free_port
+
+    port = free_port()
+    llm = LLM(model=str(checkpoint), **ENGINE, **ELASTIC, num_redundant_experts=8, master_port=port)
+    replacement = None
+    try:
+        kill_later(llm, 2, 0.3)
+        assert tokens(llm.generate(prompts(), GREEDY)) == reference[0]
+        check_survivors(llm, 3, 1)
+        cmd = [
+            sys.executable, "-m", "moeserve.cli", "serve", "--model", str(checkpoint),
+            "--dtype", "float32", "--ep", "4", "--ep-num-redundant-experts", "8",
+            "--enable-elastic-ep", "--elastic-rejoin", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "--threads", "1", "--max-model-len", "256",
+        ]  # fmt: skip
+        log = open(tmp_path / "replacement.log", "w")
+        replacement = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while llm.engine.groups.dims.world_size < 4:  # an idle group takes it in too
+            assert replacement.poll() is None, (tmp_path / "replacement.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "replacement.log").read_text()
+            time.sleep(0.2)
+        assert llm.engine.joined == [2]
+        assert tokens(llm.generate(prompts(), GREEDY)) == reference[0]
+        stats = llm.engine.stats(self_check=True)
+        assert stats["integrity"] == "ok" and len(stats["replicas"]) == 4
+        assert stats["elastic"]["live_ranks"] == 4 and stats["elastic"]["rejoins"] == 1
+        placement = llm.engine.eplb_command("status")["placement"]
+        for table in placement.values():
+            assert len(table) == 24 and sorted(set(table)) == list(range(16))
+        # the replacement's replica took new requests: its expert counts moved
+        counts = stats["expert_counts"]
+        assert all(sum(v) > 0 for v in counts.values())
+        # another loss: the replacement is a member like any other
+        kill_later(llm, 3, 0.3)
+        assert tokens(llm.generate(prompts(), GREEDY)) == reference[0]
+        assert llm.engine.recoveries[-1].live == (0, 1, 2)
+        assert llm.engine.stats()["elastic"]["rank_failures"] == 2
+    finally:
+        llm.engine.shutdown()
+        if replacement is not None:
+            assert replacement.wait(30) == 0, (tmp_path / "replacement.log").read_text()

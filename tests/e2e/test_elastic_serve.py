@@ -5,19 +5,24 @@ fault. The model is the tests' tiny DeepSeek-V3 (peaked logits): the random demo
 near-ties make its greedy tokens depend on how requests share a step even without a fault
 (its kernels are not batch-invariant), so only a model with clear margins can show that the
 loss itself changes nothing. /health then says "degraded" with the live rank count, the
-metrics count the loss and the recovery, every survivor's KV cache passes its self-check, and
-the server stops cleanly with nothing left behind."""
+metrics count the loss and the recovery, and every survivor's KV cache passes its
+self-check. A replacement started with the same flags plus ``--elastic-rejoin 2`` joins:
+/health is plain 200 again, the streams are the same again over four replicas, and the
+server and the replacement stop cleanly with nothing left behind."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
 
+from moeserve.launch.spec import free_port
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 from tests.e2e.openai_probe import run_streams
 from tests.e2e.server import RunningServer, start_server
@@ -42,11 +47,14 @@ def checkpoint(tmp_path_factory):
     return save_hf_checkpoint(build_hf_model("deepseek_v3"), tmp_path_factory.mktemp("el") / "ds")
 
 
-def test_a_killed_rank_loses_no_stream(checkpoint):
-    srv = start_server(
-        "--model", str(checkpoint), "--ep", "4", "--ep-num-redundant-experts", "8",
-        "--enable-elastic-ep", "--enable-debug-endpoints", "--threads", "1",
-    )  # fmt: skip
+FLAGS = ("--ep", "4", "--ep-num-redundant-experts", "8", "--enable-elastic-ep", "--threads", "1")
+
+
+def test_a_killed_rank_loses_no_stream_and_a_replacement_rejoins(checkpoint, tmp_path):
+    port = free_port()
+    model_flags = ("--model", str(checkpoint), *FLAGS, "--master-port", str(port))
+    srv = start_server(*model_flags, "--enable-debug-endpoints")
+    replacement = None
     try:
         client = openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
@@ -81,8 +89,27 @@ def test_a_killed_rank_loses_no_stream(checkpoint):
             logprobs=0, extra_body={"ignore_eos": True},
         )  # fmt: skip
         assert again.choices[0].logprobs.tokens == want[0]
+        # a replacement for rank 2: the same flags, on this host
+        cmd = [sys.executable, "-m", "moeserve.cli", "serve", *model_flags]
+        log = open(tmp_path / "replacement.log", "w")
+        replacement = subprocess.Popen(
+            [*cmd, "--elastic-rejoin", "2", "--master-addr", "127.0.0.1"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{srv.url}/health", timeout=10).text != "":  # degraded until then
+            assert replacement.poll() is None, (tmp_path / "replacement.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "replacement.log").read_text()
+            time.sleep(0.3)
+        assert run_streams(client, model, STREAMS, MAX_TOKENS) == want
+        stats = httpx.get(f"{srv.url}/debug/engine", timeout=30).json()
+        assert stats["integrity"] == "ok" and len(stats["replicas"]) == 4
+        assert stats["elastic"]["rejoins"] == 1 and stats["elastic"]["live_ranks"] == 4
+        assert _scrape(srv.url)[("moeserve:live_ranks", ())] == 4
     finally:
         code = srv.stop()
     assert code == 0, srv.text()
+    assert replacement is not None and replacement.wait(30) == 0
     assert not srv.engine_pids()
-    assert "recovered in" in srv.text()
+    assert "recovered in" in srv.text() and "joined" in srv.text()
