@@ -41,6 +41,17 @@ from pd import host  # noqa: E402
 from server_process import start_server  # noqa: E402
 
 
+def model_dir(name: str) -> Path:
+    """``bench`` (the benchmark model), ``demo`` (the built-in one) or a directory."""
+    if name == "bench":
+        return bench_model_path()
+    if name == "demo":
+        from moeserve.demo import demo_model_path
+
+        return demo_model_path()
+    return Path(name)
+
+
 def rank_pid(server_pid: int, rank: int) -> int:
     """The pid of launch rank ``rank`` among the server's descendants."""
     out = os.popen("ps -eo pid=,ppid=").read().split()
@@ -200,15 +211,7 @@ def main() -> int:
     p.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
     p.add_argument("--out", default="bench_out/elastic.json")
     args = p.parse_args()
-    if args.model == "bench":
-        model_dir = bench_model_path()
-    elif args.model == "demo":
-        from moeserve.demo import demo_model_path
-
-        model_dir = demo_model_path()
-    else:
-        model_dir = Path(args.model)
-    result = measure(args, model_dir)
+    result = measure(args, model_dir(args.model))
     print(
         f"elastic EP: {args.model}, --ep {args.ep}, {args.redundant} redundant, "
         f"{args.streams} streams, SIG{args.signal} of rank {args.victim}; host: {host()}"

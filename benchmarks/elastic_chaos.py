@@ -29,8 +29,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import bench_model_path  # noqa: E402
-from elastic import rank_pid  # noqa: E402
+from elastic import model_dir, rank_pid  # noqa: E402
 from pd import host  # noqa: E402
 from server_process import start_server  # noqa: E402
 
@@ -38,22 +37,33 @@ from moeserve.bench.serving import ServingBenchConfig, run_benchmark  # noqa: E4
 from moeserve.launch.spec import free_port  # noqa: E402
 
 
-def server_rss_mb(api_pid: int) -> float:
-    """Resident MB of the API server and its engine process (world rank 0), not of the ranks
-    the engine spawned (killed ones leave, replacements are processes of their own)."""
+def server_rss_mb(api_pid: int) -> tuple[float, float]:
+    """Resident MB of the API server and of its engine process (world rank 0), not of the
+    ranks the engine spawned (killed ones leave, replacements are processes of their own)."""
     out = subprocess.run(
         ["ps", "-eo", "pid=,ppid=,rss=,args="], capture_output=True, text=True
     ).stdout
-    total = 0
+    api = engine = 0
     for line in out.splitlines():
         pid, ppid, rss, cmd = line.split(None, 3)
-        if int(pid) == api_pid or (int(ppid) == api_pid and "engine_core" in cmd):
-            total += int(rss)
-    return total / 1024
+        if int(pid) == api_pid:
+            api = int(rss)
+        elif int(ppid) == api_pid and "engine_core" in cmd:
+            engine = int(rss)
+    return api / 1024, engine / 1024
 
 
 def elastic_status(url: str) -> dict:
-    return httpx.get(f"{url}/debug/engine", timeout=60).json()["elastic"]
+    """The group's elastic status; asked again while the engine is too busy to answer (a
+    recovery holds it: /debug/engine then answers 503)."""
+    deadline = time.monotonic() + 120
+    while True:
+        r = httpx.get(f"{url}/debug/engine", timeout=60)
+        if r.status_code == 200:
+            return r.json()["elastic"]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"/debug/engine: {r.status_code} {r.text[:200]}")
+        time.sleep(0.5)
 
 
 def wait_for(check, timeout_s: float, what: str) -> float:
@@ -76,6 +86,8 @@ class Chaos:
         self.agents: list[subprocess.Popen] = []
         self.stop = threading.Event()
         self.error: str | None = None
+        self.log_dir = Path(args.out).with_suffix("")  # the replacements' logs
+        self.log_dir.mkdir(parents=True, exist_ok=True)
 
     def run(self) -> None:
         try:
@@ -96,12 +108,17 @@ class Chaos:
         )
         cmd = [sys.executable, "-m", "moeserve.cli", "serve", *self.flags]
         cmd += ["--elastic-rejoin", str(victim), "--master-addr", "127.0.0.1"]
-        agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log_path = self.log_dir / f"replacement{len(self.agents)}-rank{victim}.log"
+        with open(log_path, "w") as log:
+            agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.agents.append(agent)
         world = len(st["members"])
-        rejoined = wait_for(
-            lambda: len(elastic_status(self.url)["members"]) == world, 300, "rejoin"
-        )
+        try:
+            rejoined = wait_for(
+                lambda: len(elastic_status(self.url)["members"]) == world, 300, "rejoin"
+            )
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; {log_path}:\n{log_path.read_text()[-3000:]}") from None
         self.events.append(
             {"at": killed, "rank": victim, "recovered_s": recovered, "rejoined_s": rejoined}
         )
@@ -129,7 +146,7 @@ def soak(args: argparse.Namespace, model_dir: Path) -> dict:
     ]  # fmt: skip
     proc, url = start_server([*flags, "--enable-debug-endpoints"])
     chaos = Chaos(args, url, proc.pid, flags, port)
-    rss: list[tuple[float, float]] = []
+    rss: list[tuple[float, float, float]] = []  # (seconds, API server MB, engine MB)
     try:
         duration = args.minutes * 60
         config = ServingBenchConfig(
@@ -142,7 +159,7 @@ def soak(args: argparse.Namespace, model_dir: Path) -> dict:
         def sample_rss() -> None:
             t0 = time.monotonic()
             while not sampler_stop.wait(5):
-                rss.append((time.monotonic() - t0, server_rss_mb(proc.pid)))
+                rss.append((time.monotonic() - t0, *server_rss_mb(proc.pid)))
 
         threads = [threading.Thread(target=chaos.run), threading.Thread(target=sample_rss)]
         for t in threads:
@@ -173,8 +190,8 @@ def soak(args: argparse.Namespace, model_dir: Path) -> dict:
         "kills": chaos.events,
         "chaos_error": chaos.error,
         "rss_mb": rss,
-        "rss_first_third_mb": sum(r for _, r in rss[:third]) / third,
-        "rss_last_third_mb": sum(r for _, r in rss[-third:]) / third,
+        "rss_first_third_mb": [sum(x[i] for x in rss[:third]) / third for i in (1, 2)],
+        "rss_last_third_mb": [sum(x[i] for x in rss[-third:]) / third for i in (1, 2)],
         "integrity": engine["integrity"],
         "elastic": engine["elastic"],
         "server_exit": code,
@@ -195,25 +212,18 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/elastic_chaos.json")
     args = p.parse_args()
-    if args.model == "bench":
-        model_dir = bench_model_path()
-    elif args.model == "demo":
-        from moeserve.demo import demo_model_path
-
-        model_dir = demo_model_path()
-    else:
-        model_dir = Path(args.model)
-    r = soak(args, model_dir)
+    r = soak(args, model_dir(args.model))
     print(f"elastic EP chaos soak: {args.model}, --ep {args.ep}, {args.minutes:g} min; {host()}")
     latency = f"{r['ttft_p99_ms']:.0f} / {r['itl_p99_ms']:.0f} / {r['e2e_p99_ms']:.0f} ms"
-    rss = f"{r['rss_first_third_mb']:.0f} / {r['rss_last_third_mb']:.0f} MB"
+    first, last = r["rss_first_third_mb"], r["rss_last_third_mb"]
+    rss = f"API {first[0]:.0f} -> {last[0]:.0f} MB, engine {first[1]:.0f} -> {last[1]:.0f} MB"
     ends = f"{r['integrity']}, {r['server_exit']}, {r['replacement_exits']}"
     rows = [
         ("requests: completed / failed / lost", f"{r['completed']} / {r['failed']} / {r['lost']}"),
         ("kills (each recovered, then rejoined)", str(len(r["kills"]))),
         ("TTFT / ITL / E2E p99", latency),
         ("output tokens/s", f"{r['output_tokens_per_s']:.1f}"),
-        ("RSS first / last third", rss),
+        ("RSS, first third -> last third", rss),
         ("KV self-check, server exit, replacement exits", ends),
     ]
     width = max(len(k) for k, _ in rows)
