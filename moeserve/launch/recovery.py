@@ -62,10 +62,6 @@ class ElasticRank:
         self.config, self.membership = config, membership
         self.timeout_s = config.elastic_ep_timeout_s
 
-    @property
-    def world_size(self) -> int:
-        return len(self.membership.members)
-
     def start_serving(self, groups: ParallelGroups) -> None:
         """From here on a silent peer fails a collective after the short timeout."""
         set_collective_timeout(groups, self.timeout_s)
