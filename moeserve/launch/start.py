@@ -44,7 +44,8 @@ from moeserve.launch.elastic import (
     grown_config,
     open_store,
 )
-from moeserve.launch.engine_group import EngineGroup, serve_steps
+from moeserve.launch.engine_group import EngineGroup
+from moeserve.launch.group_steps import serve_steps
 from moeserve.launch.liveness import Heartbeat, request_stop
 from moeserve.launch.netif import check_rendezvous, interface_towards
 from moeserve.launch.numa import (
