@@ -1,16 +1,21 @@
-"""One rank's engine moved onto the groups of a new generation (elastic EP, after a rank
-loss; ``launch/elastic.py`` forms the groups).
+"""One rank's engine moved onto the groups of a new generation (elastic EP: after a rank
+loss, or as replacements join; ``launch/elastic.py`` forms the groups).
 
-Collective over the new world (every survivor calls :func:`regroup_engine` together)::
+Collective over the new world (every rank calls :func:`regroup_engine` together)::
 
     gather   what each rank's slots hold, per MoE layer, its expert load (the EPLB window,
-             else the counts since start) and its node
-    compute  per layer, the placement over the survivors (``distributed/ep/shrink.py``: the
-             same on every rank; CannotHoldExperts on every rank when the slots are too few)
-    apply    each layer routes over the new EP group; this rank reads the experts it must
-             take from the checkpoint into their slots (sliced loading, as at start-up)
-    forget   every request (rank 0 queues them again; not when a replacement joined); the
-             KV cache passes its self-check
+             else the counts since start) and its host
+    compute  per layer, the same placement on every rank:
+               after a loss   over the survivors (``distributed/ep/shrink.py``; too few
+                              slots: CannotHoldExperts on every rank)
+               as ranks join  EPLB's over every rank, aligned with what each holds
+                              (``eplb/grow.py``; a replacement's slots are empty)
+    apply    each layer routes over the new EP group; after a loss this rank reads the
+             experts it must take from the checkpoint into their slots (sliced loading, as at
+             start-up); as ranks join the experts move over the network
+             (``distributed/ep/migrate.fill_slots``, the EPLB move machinery)
+    forget   every request (rank 0 queues them again; not when ranks joined); the KV cache
+             passes its self-check
 
 Returns what it did, for the recovery's timings and logs.
 """
@@ -22,40 +27,54 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.distributed.ep.migrate import fill_slots
+from moeserve.distributed.ep.placement import EMPTY_SLOT
 from moeserve.distributed.ep.shrink import survivor_placement
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.objects import all_gather_json
+from moeserve.eplb.grow import grown_placement
 from moeserve.models.weights import WeightSpec, load_checkpoint
 
 
 @dataclass(frozen=True)
 class RegroupReport:
-    experts_reloaded: int  # by this rank
+    experts_reloaded: int  # from the checkpoint, by this rank
     bytes_read: int  # from the checkpoint, by this rank
     reload_s: float
+    bytes_received: int  # from other ranks (replacements joined)
+    move_s: float
     requests_dropped: int
 
 
-def regroup_engine(engine, groups: ParallelGroups, drop_requests: bool = True) -> RegroupReport:
+def regroup_engine(
+    engine, groups: ParallelGroups, drop_requests: bool = True, node: int | None = None
+) -> RegroupReport:
     """Move ``engine`` (an ``LLMEngine``) onto ``groups``; see the module's doc. Without
-    ``drop_requests`` (a replacement joined: no rank was lost) the requests and their KV
-    stay."""
+    ``drop_requests`` (replacements joined: no rank was lost) the requests and their KV
+    stay. ``node``: the host this rank runs on, when the group spans several (None: one)."""
     blocks = engine.model.moe_blocks()
-    loads = _loads(engine, blocks)
     mine = {
         "held": [list(b.experts.slot_experts) for _, b in blocks],
-        "load": loads,
-        "node": [_node(b) for _, b in blocks],
+        "load": _loads(engine, blocks),
+        "node": node,
     }
     parts = all_gather_json(mine, groups.world)
     specs: dict[str, WeightSpec] = {}
+    received, move_s = 0, 0.0
     for k, (layer, block) in enumerate(blocks):
         held = [p["held"][k] for p in parts]
         load_E = torch.tensor([p["load"][k] for p in parts], dtype=torch.float64).sum(0)
-        nodes = [p["node"][k] for p in parts]
-        shrink = survivor_placement(
-            held, block.gate.config.num_experts, None if None in nodes else nodes, load_E
-        )
+        nodes = None if any(p["node"] is None for p in parts) else [p["node"] for p in parts]
+        E = block.gate.config.num_experts
+        if any(EMPTY_SLOT in h for h in held):  # replacements join
+            t0 = time.perf_counter()
+            placement = grown_placement(held, E, load_E, nodes, _expert_groups(engine))
+            old_P = [e for h in held for e in h]
+            received += fill_slots(block.experts, old_P, placement, groups.ep.rank, groups.ep.group)
+            move_s += time.perf_counter() - t0
+            block.reform(groups.ep, placement)
+            continue
+        shrink = survivor_placement(held, E, nodes, load_E)
         block.reform(groups.ep, shrink.placement)
         for r in shrink.reloads:
             if r.rank == groups.ep.rank:
@@ -77,7 +96,14 @@ def regroup_engine(engine, groups: ParallelGroups, drop_requests: bool = True) -
     engine.regroup(groups)
     dropped = engine.drop_all_requests() if drop_requests else []
     engine.scheduler.check_integrity()
-    return RegroupReport(len(specs) // 3, bytes_read, reload_s, len(dropped))
+    return RegroupReport(len(specs) // 3, bytes_read, reload_s, received, move_s, len(dropped))
+
+
+def _expert_groups(engine) -> int:
+    """The expert groups EPLB may keep on one node (1: the global form, as configured)."""
+    if engine.config.eplb_algorithm == "global":
+        return 1
+    return max(1, int(engine.model_config.n_group or 1))
 
 
 def _loads(engine, blocks) -> list[list[float]]:
@@ -88,8 +114,3 @@ def _loads(engine, blocks) -> list[list[float]]:
         if int(window.sum()) > 0:
             return window.double().tolist()
     return [b.expert_counts_E.double().tolist() for _, b in blocks]
-
-
-def _node(block) -> int | None:
-    nodes = block.placement.node_of_rank
-    return None if nodes is None else nodes[block.ep.rank]

@@ -32,6 +32,7 @@ from moeserve.config import EplbOptions
 from moeserve.distributed.ep.migrate import move_experts
 from moeserve.distributed.ep.placement import ExpertPlacement
 from moeserve.eplb.algorithm import imbalance, rank_load, rebalance_experts
+from moeserve.eplb.grow import node_count
 from moeserve.eplb.stats import (
     ExpertLoadStats,
     ExpertPlacementFile,
@@ -126,15 +127,7 @@ class ExpertBalancer:
 
     def _nodes(self) -> int:
         """Nodes of the EP group as the algorithm sees them (equal, contiguous), else 1."""
-        nodes = self.blocks[0][1].placement.node_of_rank
-        if not nodes:
-            return 1
-        N = len(set(nodes))
-        per = len(nodes) // N
-        contiguous = list(nodes) == sorted(nodes) and len(nodes) % N == 0
-        if not contiguous or any(nodes.count(n) != per for n in set(nodes)):
-            return 1
-        return N
+        return node_count(self.blocks[0][1].placement.node_of_rank)
 
     def compute_tables(self, load_LE: torch.Tensor) -> torch.Tensor:
         """``[L, P]``: the placement ``options.algorithm`` gives for ``load_LE``."""

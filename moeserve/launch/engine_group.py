@@ -17,7 +17,6 @@ EP the survivors recover instead (``launch/recovery.py``).
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import sys
@@ -36,6 +35,7 @@ from moeserve.engine.scheduler import QueueFullError
 from moeserve.eplb.balancer import run_command
 from moeserve.launch.elastic import GroupEnded
 from moeserve.launch.group_disagg import GroupDisagg, send_mode
+from moeserve.launch.group_elastic import ElasticRecord
 from moeserve.launch.group_stats import merge_stats
 from moeserve.launch.group_steps import (
     EPLB,
@@ -57,7 +57,7 @@ from moeserve.launch.liveness import (
     announce_api,
     wait_for_ranks_to_leave,
 )
-from moeserve.launch.recovery import ElasticRank, Recovery
+from moeserve.launch.recovery import ElasticRank
 from moeserve.launch.spec import LaunchSpec
 
 logger = logging.getLogger(__name__)
@@ -97,18 +97,15 @@ class EngineGroup:
         self._on_health: Callable[[list[str], dict | None], None] = lambda missing, el: None
         self._on_stop: Callable[[str], None] = lambda reason: None
         self._elastic = elastic
-        self.lost: dict[int, str] = {}  # elastic EP: launch rank -> why it was last given up
-        self.rank_failures = 0  # ranks lost so far (one rank lost twice counts twice)
-        self._dead_now: set[int] = set()  # seen dead, not yet left out by a recovery
-        self.recoveries: list[Recovery] = []
-        self.recovery_seconds: list[float] = []
+        # elastic EP: what the group lost, recovered and took in (launch/group_elastic.py)
+        self.elastic = ElasticRecord(elastic, spec.world_size) if elastic is not None else None
         self._monitor = RankMonitor(
             spec,
             on_health=lambda missing: self._on_health(missing, self._elastic_or_none()),
             on_failure=self.fail,
             on_stop=lambda reason: self._on_stop(reason),
             dead_after_s=min(self.config.dist_timeout_s, 10.0),
-            on_dead=self.rank_lost if elastic is not None else None,
+            on_dead=self.elastic.rank_lost if self.elastic is not None else None,
         ).start()
         atexit.register(self.shutdown)
         self._adds: list[dict] = []
@@ -116,7 +113,6 @@ class EngineGroup:
         self._finishes: list[tuple[str, int, str | None]] = []
         # unfinished requests: their replicas, and what their callers have received
         self._ledger = RequestLedger(groups.dims.dp)
-        self.joined: list[int] = []  # elastic EP: launch ranks taken in as replacements
         self._next_join_check = 0.0
         self.closed = False
         # one command at a time on the wire: the caller's, or the keep-awake thread's ping
@@ -208,31 +204,16 @@ class EngineGroup:
         """The group's stats with its KV transfers' counters (the control's) and, with elastic
         EP, its rank losses and recoveries."""
         stats["disaggregation"] = self.disagg.stats()
-        if self._elastic is not None:
+        if self.elastic is not None:
             stats["elastic"] = self.elastic_status()
         return stats
 
     def _elastic_or_none(self) -> dict | None:
-        return self.elastic_status() if self._elastic is not None else None
+        return self.elastic_status() if self.elastic is not None else None
 
     def elastic_status(self) -> dict:
         """Live ranks, losses and recoveries so far (``/health``, ``/metrics``)."""
-        return {
-            "live_ranks": self.groups.dims.world_size,
-            "members": list(self._elastic.membership.members),
-            "world_size": self._spec.world_size,
-            "rank_failures": self.rank_failures,
-            "recoveries": len(self.recoveries),
-            "recovery_seconds": list(self.recovery_seconds),
-            "lost": [
-                self.lost[r] for r in sorted(self.lost) if r not in self._elastic.membership.members
-            ],
-            "rejoins": len(self.joined),
-            "history": [
-                {**dataclasses.asdict(r), "total_s": s}
-                for r, s in zip(self.recoveries, self.recovery_seconds)
-            ],
-        }
+        return self.elastic.status(self.groups.dims.world_size)
 
     def _step(self, with_stats: bool) -> tuple[list[RequestOutput], list[dict]]:
         self._take_joiners()
@@ -368,15 +349,6 @@ class EngineGroup:
         rank is not a failure: the stats say what the group went on with (``elastic``)."""
         self._on_failure, self._on_health, self._on_stop = on_failure, on_health, on_stop
 
-    def rank_lost(self, rank: int, reason: str) -> None:
-        """Elastic EP, from a watcher's thread: launch rank ``rank`` is dead (its exit was
-        seen, or its heartbeat stopped). The collective that fails on it starts the
-        recovery, which leaves it out at once instead of waiting for its check-in."""
-        if rank not in self._dead_now:
-            logger.error("engine group: %s; the others go on without it", reason)
-            self._dead_now.add(rank)
-            self.lost[rank] = reason
-
     def _take_joiners(self) -> None:
         """Elastic EP, between two steps (at most every ``_JOIN_CHECK_S``): when replacements
         wait to join, every member forms the next generation with them (:meth:`ElasticRank.
@@ -400,7 +372,7 @@ class EngineGroup:
                 return
             self._ledger.load += [0] * (self.groups.dims.dp - len(self._ledger.load))
             self._monitor.watch_again(joiners)
-            self.joined += joiners
+            self.elastic.joined += joiners
             self._on_health(self._monitor.missing, self.elastic_status())
             logger.warning(
                 "engine group: ranks %s joined: %d rank(s) live",
@@ -410,7 +382,7 @@ class EngineGroup:
 
     def _known_dead(self) -> set[int]:
         """Ranks a recovery need not wait for: seen dead, or silent for a while."""
-        return set(self._dead_now) | self._monitor.silent_ranks(MISSING_AFTER_S)
+        return self.elastic.known_dead(self._monitor, MISSING_AFTER_S)
 
     def _recover(self, cause: BaseException) -> bool:
         """Elastic EP: go on without the lost ranks (``launch/recovery.py``) and queue every
@@ -424,22 +396,14 @@ class EngineGroup:
             self.failure = self.failure or str(e)
             return False
         self.groups = groups
-        why = str(cause).split(". ")[0]  # gloo's first sentence names the broken link
-        for rank in rec.lost:
-            if rank not in self._dead_now:  # nobody saw it die: its link broke
-                self.lost[rank] = f"{self._monitor.describe(rank)} was lost: {why}"
-            self.rank_failures += 1
-        self._dead_now -= set(rec.lost)
-        self._monitor.forget(rec.lost)
+        self.elastic.recovered(rec, time.monotonic() - t0, cause, self._monitor)
         self._adds = [add_message(t, resumed=True) for t in self._ledger.reassign(groups.dims.dp)]
         self._aborts = []
-        self.recoveries.append(rec)
-        self.recovery_seconds.append(time.monotonic() - t0)
         self._on_health(self._monitor.missing, self.elastic_status())
         logger.warning(
             "engine group: recovered in %.2fs (agree %.2fs, join %.2fs, reload %.2fs of %d "
             "expert(s)); %d rank(s) live, %d request(s) queued again",
-            self.recovery_seconds[-1],
+            self.elastic.recovery_seconds[-1],
             rec.agree_s,
             rec.join_s,
             rec.reload_s,

@@ -98,7 +98,7 @@ class WorkerProcesses:
 
     def watch(self, group: EngineGroup, elastic: bool = False) -> None:
         """Watch the ranks from a thread; the first that fails ends ``group`` (``fail``).
-        With ``elastic`` every rank that fails is reported (``group.rank_lost``) and the
+        With ``elastic`` every rank that fails is reported (``group.elastic.rank_lost``) and the
         group goes on without it."""
 
         def loop() -> None:
@@ -108,7 +108,7 @@ class WorkerProcesses:
                     for rank, why in self.failed().items():
                         if rank not in reported and not self._stopping.is_set():
                             reported.add(rank)
-                            group.rank_lost(rank, why)
+                            group.elastic.rank_lost(rank, why)
                     continue
                 failure = self.failure()
                 if failure is not None and not self._stopping.is_set():

@@ -7,7 +7,8 @@ the next (``elastic.Membership``), join it, move the engine onto it
 
 A replacement rank joins the same way without a loss (:meth:`ElasticRank.grow` on the
 members, ``launch/start.py`` on the replacement): leave -> rank 0 adds the replacements ->
-join -> regroup (requests kept) -> confirm.
+join -> regroup (requests kept; EPLB places the experts over every rank and the
+replacement's empty slots fill over the network) -> confirm.
 
 Until the confirmation the new world's collectives wait up to ``dist_timeout_s`` (a
 survivor may read experts from the checkpoint meanwhile); after it, the short collective
@@ -125,7 +126,15 @@ class ElasticRank:
             members = m.follow(3 * (self.timeout_s + CHECK_IN_MARGIN_S))
         logger.warning("elastic EP: generation %d: ranks %s", m.generation, list(members))
         groups = m.init_world(self.config.dist_timeout_s)
-        self.take_share(engine, groups, drop_requests=False)
+        reports = self.take_share(engine, groups, drop_requests=False)
+        logger.warning(
+            "elastic EP: generation %d: the experts re-placed over %d ranks; %.1f MB moved "
+            "to the ranks that lack them in %.2f s",
+            m.generation,
+            len(members),
+            sum(r["bytes_received"] for r in reports) / 1e6,
+            max(r["move_s"] for r in reports),
+        )
         return groups
 
     def take_share(self, engine, groups: ParallelGroups, drop_requests: bool) -> list[dict]:
@@ -134,7 +143,9 @@ class ElasticRank:
         GroupEnded, with the first rank's error, when one of them could not."""
         mine: dict = {"error": None}
         try:
-            mine.update(dataclasses.asdict(regroup_engine(engine, groups, drop_requests)))
+            spec = self.membership.spec
+            node = spec.node_rank if spec.nnodes > 1 else None
+            mine.update(dataclasses.asdict(regroup_engine(engine, groups, drop_requests, node)))
         except (ValueError, RuntimeError, OSError) as e:
             mine["error"] = f"rank {self.membership.spec.rank} could not take its share: {e}"
         reports = all_gather_json(mine, groups.world)  # the confirmation

@@ -165,8 +165,15 @@ def run_rank(spec: LaunchSpec, config: EngineConfig, binding: RankBinding) -> in
     heartbeat = Heartbeat(spec).start()
     try:
         if spec.rank in config.elastic_rejoin:  # with the members, as they grow
-            elastic.take_share(engine, groups, drop_requests=False)
-            logger.warning("rank %d joined the group: %s", spec.rank, groups.dims.describe())
+            mine = elastic.take_share(engine, groups, drop_requests=False)[groups.rank]
+            logger.warning(
+                "rank %d joined the group (%s): received %.1f MB of experts from the members "
+                "in %.2f s",
+                spec.rank,
+                groups.dims.describe(),
+                mine["bytes_received"] / 1e6,
+                mine["move_s"],
+            )
         serve_steps(engine, groups, elastic)
     except GroupEnded as e:
         sys.stderr.write(f"moeserve: rank {spec.rank} leaves: {e}\n")
@@ -181,9 +188,11 @@ def run_rank(spec: LaunchSpec, config: EngineConfig, binding: RankBinding) -> in
 def _join_running(
     spec: LaunchSpec, config: EngineConfig, backend: str
 ) -> tuple[LLMEngine, ParallelGroups, ElasticRank]:
-    """A replacement (``--elastic-rejoin``): load this rank's share for the place it expects
-    (after the members), then ask to join and form the next generation with them; the group
-    pauses only for the joining, not for the loading (``ElasticRank.take_share`` follows)."""
+    """A replacement (``--elastic-rejoin``): load the model for the place it expects (after
+    the members) except the routed experts, whose slots stay empty, then ask to join and form
+    the next generation with them; the group pauses only for the joining and the experts'
+    move, not for the loading (``ElasticRank.take_share`` follows: EPLB places the experts
+    over every rank and the members send this rank its share)."""
     membership = Membership(spec, open_store(spec, config.dist_timeout_s), backend, True)
     expected = len(membership.current_members()) + 1
     num_experts = ModelConfig.from_dir(config.model).num_experts

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.distributed.ep.placement import EMPTY_SLOT
 from moeserve.distributed.groups import Axis
 from moeserve.layers.linear import shard_range
 from moeserve.models.hf_config import ModelConfig
@@ -92,9 +93,10 @@ class FusedExperts(nn.Module):
 
     ``slot_experts[s]`` is the logical (checkpoint) expert in local slot s: all experts in
     order on one process, this rank's share under expert parallelism (a logical expert may
-    fill several slots). Under tensor parallelism without EP, each slot holds F / tp of its
-    expert's FFN (``tp``): gate and up rows ``[r * F/tp, (r + 1) * F/tp)``, the same down
-    columns, and the layer's output is a partial sum.
+    fill several slots; ``EMPTY_SLOT`` in a replacement's slots until it joins). Under
+    tensor parallelism without EP, each slot holds F / tp of its expert's FFN (``tp``): gate
+    and up rows ``[r * F/tp, (r + 1) * F/tp)``, the same down columns, and the layer's output
+    is a partial sum.
     """
 
     def __init__(
@@ -136,7 +138,8 @@ class FusedExperts(nn.Module):
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         slots: dict[int, list[int]] = {}
         for s, e in enumerate(self.slot_experts):
-            slots.setdefault(e, []).append(s)
+            if e != EMPTY_SLOT:  # filled later, over the network (elastic EP)
+                slots.setdefault(e, []).append(s)
         specs: dict[str, WeightSpec] = {}
         for e, ss in slots.items():
             specs.update(self.slot_specs(f"{prefix}.{e}", ss))

@@ -26,7 +26,7 @@ from moeserve.config import MoEOptions
 from moeserve.distributed.ep.all_to_all import AllToAllDispatcher
 from moeserve.distributed.ep.local import LocalDispatcher
 from moeserve.distributed.ep.moe_step import ep_moe_forward
-from moeserve.distributed.ep.placement import ExpertPlacement
+from moeserve.distributed.ep.placement import EMPTY_SLOT, ExpertPlacement
 from moeserve.distributed.groups import Axis, ParallelGroups
 from moeserve.layers.linear import GatedMLP, Linear
 from moeserve.layers.moe import FusedExperts, Router
@@ -55,10 +55,13 @@ class MoEBlock(nn.Module):
                 E, self.ep.size, self.options.num_redundant_experts, self._ep_nodes(groups)
             )
             # without its process group (a replacement loading before it joins: elastic EP)
-            # the layer waits for reform() to route
+            # the layer waits for reform() to route; its slots stay empty (nothing is read
+            # from the checkpoint): the members fill them over the network as it joins
             detached = self.ep.group is None
             self.dispatcher = LocalDispatcher() if detached else AllToAllDispatcher(self.ep.group)
             slots = self.placement.local_logical(self.ep.rank)
+            if detached:
+                slots = [EMPTY_SLOT] * len(slots)
             expert_tp = shared_tp = Axis.single("tp")  # whole experts; shared replicated
         else:
             if self.options.num_redundant_experts:

@@ -8,6 +8,7 @@ cleanly, with the reason, leaving no process behind."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def test_two_ranks_lost_one_after_the_other(checkpoint, reference):
         check_survivors(llm, 2, 2)
         # a killed rank's connections reset at once: no survivor waits for a timeout (a
         # handle on the failed group kept alive would make one wait the full 10 s)
-        for pid, rec in zip((first, second), llm.engine.recoveries):
+        for pid, rec in zip((first, second), llm.engine.elastic.recoveries):
             assert rec.started_at - KILLED_AT[pid] < 3.0
         assert tokens(llm.generate(prompts(), GREEDY)) == greedy
     finally:
@@ -107,7 +108,7 @@ def test_a_hung_rank_is_given_up_after_the_timeout(checkpoint, reference):
         t0 = time.monotonic()
         assert tokens(llm.generate(prompts(), GREEDY)) == reference[0]
         check_survivors(llm, 3, 1)
-        (recovery,) = llm.engine.recoveries
+        (recovery,) = llm.engine.elastic.recoveries
         assert recovery.lost == (2,)
         assert recovery.agree_s < 3.0 + 5.0 + 1.0  # the timeout, the check-in margin
         assert time.monotonic() - t0 < 60
@@ -128,7 +129,7 @@ def test_a_rank_killed_inside_an_expert_move(checkpoint, reference, monkeypatch)
     try:
         assert tokens(llm.generate(prompts(), GREEDY)) == reference[0]
         check_survivors(llm, 3, 1)
-        assert "signal 9" in llm.engine.lost[1]
+        assert "signal 9" in llm.engine.elastic.lost[1]
         assert tokens(llm.generate(prompts(), GREEDY)) == reference[0]  # EPLB goes on
     finally:
         llm.engine.shutdown()
@@ -158,6 +159,19 @@ def test_elastic_ep_needs_an_ep_layout(checkpoint):
         )  # fmt: skip
 
 
+def start_replacement(checkpoint, port: int, rank: int, log, env=None) -> subprocess.Popen:
+    """``moeserve serve`` with the group's flags and ``--elastic-rejoin rank``, output to
+    ``log``."""
+    cmd = [
+        sys.executable, "-m", "moeserve.cli", "serve", "--model", str(checkpoint),
+        "--dtype", "float32", "--ep", "4", "--ep-num-redundant-experts", "8",
+        "--enable-elastic-ep", "--elastic-rejoin", str(rank), "--master-addr", "127.0.0.1",
+        "--master-port", str(port), "--threads", "1", "--max-model-len", "256",
+    ]  # fmt: skip
+    env = {**os.environ, **(env or {})}
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+
+
 def test_a_replacement_rejoins_and_takes_requests(checkpoint, reference, tmp_path):
     """Kill rank 2, then start a replacement (``moeserve serve ... --elastic-rejoin 2``, the
     same flags): it loads, joins between two steps, takes a share of the experts and of the
@@ -172,20 +186,19 @@ def test_a_replacement_rejoins_and_takes_requests(checkpoint, reference, tmp_pat
         kill_later(llm, 2, 0.3)
         assert tokens(llm.generate(prompts(), GREEDY)) == reference[0]
         check_survivors(llm, 3, 1)
-        cmd = [
-            sys.executable, "-m", "moeserve.cli", "serve", "--model", str(checkpoint),
-            "--dtype", "float32", "--ep", "4", "--ep-num-redundant-experts", "8",
-            "--enable-elastic-ep", "--elastic-rejoin", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(port), "--threads", "1", "--max-model-len", "256",
-        ]  # fmt: skip
-        log = open(tmp_path / "replacement.log", "w")
-        replacement = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log = tmp_path / "replacement.log"
+        replacement = start_replacement(checkpoint, port, 2, log)
         deadline = time.monotonic() + 120
         while llm.engine.groups.dims.world_size < 4:  # an idle group takes it in too
-            assert replacement.poll() is None, (tmp_path / "replacement.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "replacement.log").read_text()
+            assert replacement.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        assert llm.engine.joined == [2]
+        assert llm.engine.elastic.joined == [2]
+        # its experts came from the members over the network (EPLB's move), not the disk
+        joined = re.search(
+            r"received ([\d.]+) MB of experts", (tmp_path / "replacement.log").read_text()
+        )
+        assert joined and float(joined.group(1)) > 0
         # a new placement: see test_elastic_serve.py on near-ties
         same = [a == b for a, b in zip(tokens(llm.generate(prompts(), GREEDY)), reference[0])]
         assert sum(same) >= len(same) - 2
@@ -203,9 +216,50 @@ def test_a_replacement_rejoins_and_takes_requests(checkpoint, reference, tmp_pat
         outs = tokens(llm.generate(prompts(), GREEDY))
         assert all(len(o[0]) == GREEDY.max_tokens for o in outs)
         assert sum(a == b for a, b in zip(outs, reference[0])) >= len(outs) - 2
-        assert llm.engine.recoveries[-1].live == (0, 1, 2)
+        assert llm.engine.elastic.recoveries[-1].live == (0, 1, 2)
         assert llm.engine.stats()["elastic"]["rank_failures"] == 2
     finally:
         llm.engine.shutdown()
         if replacement is not None:
             assert replacement.wait(30) == 0, (tmp_path / "replacement.log").read_text()
+
+
+def test_a_replacement_killed_while_joining_leaves_the_group_serving(
+    checkpoint, reference, tmp_path
+):
+    """A replacement that dies as the members send it its experts (fault hook: it is EP rank 3
+    of 4 in that move) fails the grown generation: the members recover without it, back to
+    their placement, and a second replacement then joins."""
+    from moeserve.launch.spec import free_port
+
+    port = free_port()
+    llm = LLM(model=str(checkpoint), **ENGINE, **ELASTIC, num_redundant_experts=8, master_port=port)
+    replacements = []
+    try:
+        kill_later(llm, 2, 0.3)
+        assert tokens(llm.generate(prompts(), GREEDY)) == reference[0]
+        before = llm.engine.eplb_command("status")["placement"]
+        replacements.append(
+            start_replacement(checkpoint, port, 2, tmp_path / "first.log", {FAULT_ENV: "3:4"})
+        )
+        assert replacements[0].wait(120) == 1  # its launcher saw the rank die and stopped
+        assert "killed by signal 9" in (tmp_path / "first.log").read_text()
+        deadline = time.monotonic() + 60
+        while llm.engine.stats()["elastic"]["recoveries"] < 2:  # an idle group notices too
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        check_survivors(llm, 3, 2)
+        assert llm.engine.elastic.joined == []
+        assert llm.engine.eplb_command("status")["placement"] == before
+        assert tokens(llm.generate(prompts(), GREEDY)) == reference[0]
+        replacements.append(start_replacement(checkpoint, port, 2, tmp_path / "second.log"))
+        while llm.engine.groups.dims.world_size < 4:
+            assert replacements[1].poll() is None, (tmp_path / "second.log").read_text()
+            assert time.monotonic() < deadline + 120
+            time.sleep(0.2)
+        outs = tokens(llm.generate(prompts(), GREEDY))
+        assert sum(a == b for a, b in zip(outs, reference[0])) >= len(outs) - 2
+    finally:
+        llm.engine.shutdown()
+        if len(replacements) == 2:
+            assert replacements[1].wait(30) == 0, (tmp_path / "second.log").read_text()

@@ -19,6 +19,10 @@ take uneven splits in the single-tensor form)::
 
 then every changed slot is written in place (parameters keep their storage, so huge-page
 mappings and views stay valid). A slot whose expert does not change is not touched.
+
+The same plan fills a replacement rank's empty slots as it joins an elastic group
+(:func:`fill_slots`, old table with ``EMPTY_SLOT`` entries): it receives every expert it
+gets, from the members that hold one.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.distributed.ep.placement import ExpertPlacement
+from moeserve.distributed.ep.placement import EMPTY_SLOT, ExpertPlacement
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,24 @@ def transfer_plan(old: ExpertPlacement, new: ExpertPlacement, rank: int) -> Tran
             f"cannot move from {old.num_physical} slots over {old.ep_size} ranks to "
             f"{new.num_physical} over {new.ep_size}: a re-placement keeps both"
         )
-    R, S = old.ep_size, old.slots_per_rank
-    old_P, new_P = old.phys2log_P.tolist(), new.phys2log_P.tolist()
+    return table_plan(old.phys2log_P.tolist(), new, rank)
+
+
+def table_plan(old_P: list[int], new: ExpertPlacement, rank: int) -> TransferPlan:
+    """:func:`transfer_plan` from a plain old table, in which ``EMPTY_SLOT`` marks a slot
+    that holds nothing yet (a replacement's, elastic EP). Raises ValueError when the tables
+    differ in length or an expert of ``new`` has no copy in ``old_P``."""
+    if len(old_P) != new.num_physical:
+        raise ValueError(f"an old table of {len(old_P)} slots for {new.num_physical}")
+    R, S = new.ep_size, new.slots_per_rank
+    new_P = new.phys2log_P.tolist()
     holders: dict[int, list[int]] = {}  # expert -> ranks holding it in the old table
     for p, e in enumerate(old_P):
-        if p // S not in holders.setdefault(e, []):
+        if e != EMPTY_SLOT and p // S not in holders.setdefault(e, []):
             holders[e].append(p // S)
+    lost = sorted(set(new_P) - set(holders))
+    if lost:
+        raise ValueError(f"experts {lost} have no copy to move from")
 
     def old_slot(r: int, e: int) -> int:
         return old_P[r * S : (r + 1) * S].index(e)
@@ -127,22 +143,32 @@ def _unpack_into(row_B: torch.Tensor, tensors: list[torch.Tensor], slot: int) ->
         start += n
 
 
-@torch.no_grad()
 def move_experts(experts, old: ExpertPlacement, new: ExpertPlacement, rank: int, group=None) -> int:
     """Fill this rank's slots of ``experts`` (a ``FusedExperts`` laid out by ``old``) with the
     experts ``new`` gives them. Collective over ``group`` (every rank of the EP group calls it
     with the same tables); ``group=None`` only for one rank. Returns the bytes received.
     Does not change the routing: the caller switches the layer's placement afterwards."""
-    plan = transfer_plan(old, new, rank)
+    return _move(experts, transfer_plan(old, new, rank), rank, new.ep_size, group)
+
+
+def fill_slots(experts, old_P: list[int], new: ExpertPlacement, rank: int, group=None) -> int:
+    """:func:`move_experts` from a plain old table over ``new``'s ranks, whose
+    ``EMPTY_SLOT`` entries hold nothing yet (elastic EP: a replacement's slots filled as it
+    joins). Collective over ``group`` like it; returns the bytes received."""
+    return _move(experts, table_plan(old_P, new, rank), rank, new.ep_size, group)
+
+
+@torch.no_grad()
+def _move(experts, plan: TransferPlan, rank: int, ep_size: int, group) -> int:
     tensors = slot_tensors(experts)
     send_slots = [s for slots in plan.send for s in slots]
     buf_NB = _pack(tensors, send_slots)
     recv_counts = [len(es) for es in plan.recv_order]
     buf_MB = buf_NB.new_empty(sum(recv_counts), buf_NB.shape[1])
-    if old.ep_size > 1:
+    if ep_size > 1:
         if group is None:
-            raise ValueError(f"moving experts over {old.ep_size} ranks needs their group")
-        _fault_point(rank, old.ep_size)
+            raise ValueError(f"moving experts over {ep_size} ranks needs their group")
+        _fault_point(rank, ep_size)
         dist.all_to_all_single(
             buf_MB, buf_NB, recv_counts, [len(s) for s in plan.send], group=group
         )

@@ -24,6 +24,10 @@ import torch
 
 from moeserve.distributed.ep.replica import ReplicaTable
 
+# a local slot that holds no expert yet: a replacement rank's, from its start until the
+# members fill it over the network as it joins (elastic EP: ``engine/regroup.py``)
+EMPTY_SLOT = -1
+
 
 @dataclass(frozen=True, eq=False)
 class ExpertPlacement:

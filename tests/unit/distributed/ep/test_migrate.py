@@ -1,5 +1,6 @@
 """Moving experts between ranks (``distributed/ep/migrate.py``): the transfer plan, simulated
-for every rank in one process, lands each new slot's expert; replica choice with nodes."""
+for every rank in one process, lands each new slot's expert (also into a replacement's empty
+slots); replica choice with nodes."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from moeserve.distributed.ep.migrate import (
     _pack,
     _unpack_into,
     slot_tensors,
+    table_plan,
     transfer_plan,
 )
+from moeserve.distributed.ep.placement import EMPTY_SLOT
 
 
 def fake_experts(table: list[int], int8: bool = False) -> SimpleNamespace:
@@ -33,6 +36,13 @@ def simulate(old: ExpertPlacement, new: ExpertPlacement, int8: bool = False):
     R, S = old.ep_size, old.slots_per_rank
     ranks = [fake_experts(old.local_logical(r), int8) for r in range(R)]
     plans = [transfer_plan(old, new, r) for r in range(R)]
+    run_plans(ranks, plans, new, int8)
+    return plans, S
+
+
+def run_plans(ranks, plans, new: ExpertPlacement, int8: bool = False) -> None:
+    """Carry out ``plans`` on every rank's slots, then check each holds ``new``'s experts."""
+    R = len(ranks)
     sent = [
         [_pack(slot_tensors(ranks[r]), list(plans[r].send[d])) for d in range(R)] for r in range(R)
     ]
@@ -49,7 +59,6 @@ def simulate(old: ExpertPlacement, new: ExpertPlacement, int8: bool = False):
     for got, want in zip(ranks, expected):
         for a, b in zip(slot_tensors(got), slot_tensors(want)):
             assert torch.equal(a, b)
-    return plans, S
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -99,3 +108,20 @@ def test_physical_ids_prefer_own_node_then_spread():
     assert torch.equal(p.physical_ids(ids, own_rank=1), p.physical_ids(ids, own_rank=1))
     with pytest.raises(ValueError, match="node_of_rank"):
         ExpertPlacement.contiguous(8, 4, node_of_rank=(0, 1))
+
+
+def test_empty_slots_fill_from_the_members():
+    """A replacement's empty slots (elastic EP) receive every expert from a member; it sends
+    nothing, and an expert with no copy anywhere is refused."""
+    R, S = 3, 3
+    old_P = [0, 1, 2, 3, 4, 5, EMPTY_SLOT, EMPTY_SLOT, EMPTY_SLOT]
+    new = ExpertPlacement(torch.tensor([0, 1, 3, 0, 0, 5, 0, 2, 4]), R)
+    ranks = [fake_experts([max(e, 0) for e in old_P[r * S : (r + 1) * S]]) for r in range(R)]
+    plans = [table_plan(old_P, new, r) for r in range(R)]
+    assert plans[2].local == () and all(s == () for s in plans[2].send)
+    assert sorted(e for _, _, e in plans[2].recv) == [0, 2, 4]
+    run_plans(ranks, plans, new)
+    with pytest.raises(ValueError, match=r"experts \[5\] have no copy"):
+        table_plan([0, 1, 2, 3, 4, EMPTY_SLOT], ExpertPlacement(torch.arange(6), 2), 0)
+    with pytest.raises(ValueError, match="old table of 4 slots"):
+        table_plan([0, 1, 2, 3], new, 0)
