@@ -323,6 +323,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         debug_endpoints=args.enable_debug_endpoints,
         trust_request_chat_template=args.trust_request_chat_template,
+        reasoning_parser=args.reasoning_parser,
         log_level=args.log_level,
         **body_limit,
     )
@@ -361,6 +362,13 @@ def _add_serve_parser(sub) -> None:
         "--enable-debug-endpoints",
         action="store_true",
         help="GET /debug/engine (stats, KV check) and the EPLB admin calls (/admin/eplb/...)",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,
+        help="split the thinking section of chat answers into reasoning_content "
+        "(responses and stream deltas), as vLLM and SGLang do",
     )
     s.add_argument(
         "--trust-request-chat-template",
@@ -426,7 +434,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# PyTorch keeps a oneDNN primitive per matmul shape in an LRU cache of this many entries
+# (its default, 1024, is ~250 MB with the demo model in bf16): a service sees ever new batch
+# shapes, so its engine's memory would grow to that. 16 keeps it within a few MB and measured
+# no slower; 64 still let the engine grow ~5 MB per loss and rejoin (docs/benchmarks.md,
+# elastic EP chaos soak). The environment overrides it.
+ONEDNN_CACHE_ENTRIES = "16"
+
+
 def main(argv: list[str] | None = None) -> int:
+    # before any engine process starts: they inherit it
+    os.environ.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

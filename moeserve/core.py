@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeserve.guided import GuidedDecodingParams
+
 _GREEDY_EPS = 1e-5
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 
@@ -78,10 +80,16 @@ class SamplingParams:
     detokenize: bool = True
     # prefill/decode disaggregation: where this request's KV comes from or goes to
     kv_transfer: KVTransferParams | None = None
+    # structured output: what the output is held to (a JSON schema, a regex, ...)
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_transfer, dict):
             object.__setattr__(self, "kv_transfer", KVTransferParams(**self.kv_transfer))
+        if isinstance(self.guided_decoding, dict):
+            object.__setattr__(
+                self, "guided_decoding", GuidedDecodingParams(**self.guided_decoding)
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):

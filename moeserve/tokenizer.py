@@ -197,6 +197,11 @@ class Tokenizer:
         """One more than the largest token id, added tokens included."""
         return max(self._backend.get_vocab(with_added_tokens=True).values()) + 1
 
+    def backend_json(self) -> str:
+        """The backend as ``tokenizer.json`` text, added tokens included (what
+        llguidance reads: ``moeserve/grammar/tokenizer.py``)."""
+        return self._backend.to_str()
+
     @property
     def all_special_ids(self) -> frozenset[int]:
         """Ids of the named special tokens and of every added token marked special."""

@@ -36,6 +36,7 @@ from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
 from moeserve.engine.spec_setup import check_mtp_checkpoint, make_runner
 from moeserve.eplb.balancer import ExpertBalancer, run_command
+from moeserve.grammar.bank import GrammarBank
 from moeserve.kvcache.pool import KVCachePool
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.loader import load_model
@@ -113,6 +114,10 @@ class LLMEngine:
             config.speculative_num_tokens,
             config.speculative_token_map,
         )
+        # structured output: the matchers of the requests held to a grammar (the rank that
+        # samples uses them: every rank keeps one, it costs nothing until a request asks)
+        self.grammars = GrammarBank(self.tokenizer)
+        self.runner.grammars = self.grammars
         # expert-load statistics and placement (EPLB); None without MoE layers on this rank
         self.eplb = ExpertBalancer.create(
             self.model.moe_blocks(), self.model.config, groups, config.eplb_options

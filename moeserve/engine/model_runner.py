@@ -24,6 +24,7 @@ from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.objects import broadcast_json
 from moeserve.engine import codec
 from moeserve.engine.codec import SeqStepOutput
+from moeserve.grammar.bank import GrammarBank, PendingMask
 from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.layers.sampler import Sampler, compute_prompt_logprobs
 from moeserve.models.base import MoECausalLM
@@ -33,6 +34,9 @@ from moeserve.spec.verify import Verified, verify
 
 
 class ModelRunner:
+    # structured output's matchers (the engine's, set on the replica leader that samples)
+    grammars: GrammarBank | None = None
+
     def __init__(
         self,
         model: MoECausalLM,
@@ -83,10 +87,11 @@ class ModelRunner:
             return self._share(outputs)
         for mb in split_micro_batches(batch, g.dims.pp):
             input_ids_T, positions_T, meta = self.prepare(mb)
+            masks = self._start_masks(mb)  # structured output: computed during the forward
             h_TD, send = self._forward_stage(input_ids_T, positions_T, meta)
             sends += send
             if g.is_last_stage and mb.seqs:
-                outputs += self._sample(mb, h_TD)
+                outputs += self._sample(mb, h_TD, masks)
         for work in sends:
             work.wait()
         return self._share(outputs)
@@ -132,7 +137,20 @@ class ModelRunner:
             sends.append(dist.isend(h_TD.contiguous(), dst=g.pp.ranks[g.pp.rank + 1]))
         return h_TD, sends
 
-    def _sample(self, batch: Batch, h_TD: torch.Tensor) -> list[SeqStepOutput]:
+    def _start_masks(self, batch: Batch) -> PendingMask | None:
+        """The grammar masks of the rows this rank samples (structured output), started on
+        the bank's worker thread; None without constrained rows or off the replica leader
+        (whose samples are the ones kept)."""
+        if self.grammars is None or not self.groups.is_last_stage:
+            return None
+        if not self.groups.is_replica_leader:
+            return None
+        seqs = [s.seq for s in batch.seqs if s.sample]
+        return self.grammars.start(seqs, self.model.config.vocab_size)
+
+    def _sample(
+        self, batch: Batch, h_TD: torch.Tensor, masks: PendingMask | None = None
+    ) -> list[SeqStepOutput]:
         outputs = self._prompt_logprobs(batch, h_TD)
 
         # the last row of each chunk that reaches its sequence's end samples the next token
@@ -145,7 +163,10 @@ class ModelRunner:
                 seqs.append(s.seq)
                 idx.append(i)
         if rows:
-            result = self.sampler(self.model.compute_logits(h_TD[rows]), seqs)
+            logits = self.model.compute_logits(h_TD[rows])
+            if masks is not None:  # structured output: each constrained row to its grammar
+                masks.apply(logits)
+            result = self.sampler(logits, seqs)
             for k, i in enumerate(idx):
                 outputs[i] = dataclasses.replace(
                     outputs[i], token_id=result.token_ids[k], logprobs=result.logprobs[k]
@@ -254,6 +275,10 @@ class ModelRunner:
         verified = []
         if sampling:
             logits = self.model.compute_logits(h_TD[self._long(rows)])
+            if self.grammars is not None and self.groups.is_replica_leader:  # drafts vs grammar
+                self.grammars.mask_drafts(
+                    logits, [entries[i].seq for i in sampling], [checked[i] for i in sampling]
+                )
             verified = verify(
                 logits, [entries[i].seq for i in sampling], [checked[i] for i in sampling], probs
             )

@@ -91,3 +91,4 @@ def set_speculation(engine, num_spec_tokens: int, token_map: str | list[int] | N
         engine.runner = ModelRunner(
             engine.model, caches[:-1], engine.config.block_size, engine.device, engine.groups
         )
+    engine.runner.grammars = engine.grammars

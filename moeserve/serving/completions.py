@@ -7,6 +7,7 @@ choice update, then a usage chunk when ``stream_options.include_usage``, then ``
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -31,6 +32,7 @@ from moeserve.serving.state import (
     start_all,
     stream_when_started,
 )
+from moeserve.serving.structured import guided_params
 
 
 async def _prompts(
@@ -61,6 +63,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     state.check_accepting()
     model = state.model_name(req.model)
     check_unsupported(req)
+    guided = await asyncio.to_thread(guided_params, req, state.tokenizer)  # compiles: off the loop
     request_id = new_id("cmpl")
     want_lp = req.logprobs
     generations = []
@@ -74,6 +77,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             max_tokens,
             logprobs=want_lp,
             prompt_logprobs=want_lp if (req.echo and want_lp is not None) else None,
+            guided=guided,
         )
         if text is None:  # token ids: their text is needed only to echo them
             text = await state.prompts.decode(ids) if req.echo else ""

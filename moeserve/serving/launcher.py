@@ -38,6 +38,7 @@ from moeserve.serving.guard import DEFAULT_MAX_BODY_BYTES
 from moeserve.serving.messages import Ready
 from moeserve.serving.metrics import ServerMetrics
 from moeserve.serving.prompts import PromptWorkers
+from moeserve.serving.reasoning import PARSERS as REASONING_PARSERS
 from moeserve.serving.sampling import ModelDefaults
 from moeserve.serving.state import ServerState
 from moeserve.tokenizer import Tokenizer
@@ -57,6 +58,7 @@ class ServeOptions:
     shutdown_timeout_s: float = 30.0
     debug_endpoints: bool = False
     trust_request_chat_template: bool = False
+    reasoning_parser: str | None = None  # serving/reasoning.py: deepseek_r1 | qwen3
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
 
@@ -67,6 +69,11 @@ class ServeOptions:
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"unknown reasoning parser {self.reasoning_parser!r}; choose "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:
@@ -229,6 +236,7 @@ def _server_state(
         defaults=ModelDefaults.from_model_dir(config.model),
         api_key=options.api_key,
         debug_endpoints=options.debug_endpoints,
+        reasoning_parser=options.reasoning_parser,
         max_request_body_bytes=options.max_request_body_bytes,
         max_waiting_requests=ready.max_waiting_requests,
         data_parallel_size=ready.data_parallel_size,

@@ -50,6 +50,22 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
+class JsonSchemaFormat(_Model):
+    """OpenAI's ``response_format.json_schema``: ``strict`` refuses a schema with keywords
+    the grammar engine cannot enforce (400), instead of ignoring them."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Model):
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -71,6 +87,12 @@ class _SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured output: OpenAI's response_format, or vLLM's guided_* fields (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyStr | None = None
     # prefill/decode disaggregation (SGLang's bootstrap fields, set by the router)
     bootstrap_host: str | None = Field(None, min_length=1, max_length=255)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
@@ -145,17 +167,12 @@ class ChatMessage(_Model):
     tool_call_id: str | None = None
 
 
-class ResponseFormat(_Model):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -181,6 +198,7 @@ class ChatChoiceLogprobs(_Model):
 class ChatResponseMessage(_Model):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(_Model):
@@ -203,6 +221,7 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(_Model):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeserve.core import KVTransferParams, SamplingParams
+from moeserve.guided import GuidedDecodingParams
 from moeserve.serving.errors import bad_request
 from moeserve.serving.protocol import ChatCompletionRequest, CompletionRequest
 from moeserve.text_tracker import TextOptions
@@ -56,12 +57,6 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     else:
         if req.tools and req.tool_choice != "none":
             raise bad_request("tool calling is not supported", "tools", "unsupported")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(
-                f"response_format {req.response_format.type!r} is not supported",
-                "response_format",
-                "unsupported",
-            )
 
 
 def max_tokens_for(
@@ -111,6 +106,7 @@ def build_params(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    guided: GuidedDecodingParams | None = None,
 ) -> tuple[SamplingParams, TextOptions]:
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
 
@@ -139,6 +135,7 @@ def build_params(
             output_kind="delta",
             detokenize=False,
             kv_transfer=kv_transfer(req),
+            guided_decoding=guided,
         )
     except ValueError as e:
         field = str(e).split(" ", 1)[0]

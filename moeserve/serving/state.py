@@ -50,6 +50,7 @@ class ServerState:
     defaults: ModelDefaults = field(default_factory=ModelDefaults)
     api_key: str | None = None
     debug_endpoints: bool = False
+    reasoning_parser: str | None = None  # split chat answers' thinking (serving/reasoning.py)
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # sequences the engine queues at most per DP replica (None: unbounded), and the replicas
     max_waiting_requests: int | None = None

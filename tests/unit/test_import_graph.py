@@ -22,6 +22,7 @@ GROUND_FLOOR = {
     "moeserve.ops.formats",  # the registry: names, the formats loaded lazily by name
     "moeserve.ops.formats.base",  # the contract and the plain-torch body
     "moeserve.libc",  # prctl and malloc_trim, for process hygiene
+    "moeserve.guided",  # structured output's parameters (SamplingParams holds them)
 }
 
 
@@ -46,7 +47,13 @@ FLOORS: list[tuple[str, ...]] = [
     ("moeserve.ops",),
     ("moeserve.distributed",),
     ("moeserve.layers",),
-    ("moeserve.models", "moeserve.kvcache", "moeserve.spec", "moeserve.text_tracker"),
+    (
+        "moeserve.models",
+        "moeserve.kvcache",
+        "moeserve.spec",
+        "moeserve.text_tracker",
+        "moeserve.grammar",
+    ),
     ("moeserve.engine", "moeserve.eplb", "moeserve.disagg"),
     ("moeserve.launch",),
     (

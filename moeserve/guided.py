@@ -1,0 +1,55 @@
+"""What a request's output is held to (structured output): vLLM's ``GuidedDecodingParams``.
+
+Exactly one of ``json`` (a JSON schema, as its JSON text), ``json_object`` (any JSON
+object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (a Lark grammar, or
+GBNF as llama.cpp and xgrammar write it) is set. The engine compiles it for the request's
+sampler (``moeserve/grammar/``); the API fills it from ``response_format`` and the
+``guided_*`` fields. Ground floor: plain data, imports nothing of moeserve.
+"""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    json: str | None = None  # a JSON schema's text (a dict given here is serialized)
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    # JSON: allow whitespace where JSON does (default: the compact form a model emits)
+    whitespace_flexible: bool = False
+    # JSON: refuse schema keywords the grammar cannot enforce (False: ignore them)
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", _json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("guided choice must be a non-empty list of strings")
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured output takes exactly one of json, json_object, regex, choice or "
+                f"grammar; got {given or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which of :data:`KINDS` is set."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def schema(self) -> Any:
+        """The JSON schema as an object (``json_object``: any object), else None."""
+        if self.json is not None:
+            return _json.loads(self.json)
+        return {"type": "object"} if self.json_object else None
