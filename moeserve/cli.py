@@ -324,6 +324,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         debug_endpoints=args.enable_debug_endpoints,
         trust_request_chat_template=args.trust_request_chat_template,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         log_level=args.log_level,
         **body_limit,
     )
@@ -369,6 +371,19 @@ def _add_serve_parser(sub) -> None:
         default=None,
         help="split the thinking section of chat answers into reasoning_content "
         "(responses and stream deltas), as vLLM and SGLang do",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        choices=["deepseek_v3", "deepseek_v31", "hermes"],
+        default=None,
+        help="the model's tool-call format (vLLM's names; hermes for Qwen2.5/Qwen3): chat "
+        "answers' calls come back as tool_calls, and tool_choice required or a named "
+        "function holds the model to calls that validate",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (the model decides; needs --tool-call-parser)',
     )
     s.add_argument(
         "--trust-request-chat-template",

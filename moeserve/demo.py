@@ -25,7 +25,7 @@ from pathlib import Path
 DATA_DIR = Path(__file__).parent / "data"
 CORPUS_PATH = DATA_DIR / "demo_corpus.txt"
 TOKENIZER_PATH = DATA_DIR / "demo_tokenizer.json"
-DEMO_NAME = "demo-model-v2"  # bump when the written bytes change, so caches are rebuilt
+DEMO_NAME = "demo-model-v3"  # bump when the written bytes change, so caches are rebuilt
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -38,26 +38,59 @@ INIT_STD = 0.1  # matrices; above the usual 0.02 so greedy output does not repea
 HEAD_STD = 0.5  # output heads: peaky logits, so greedy parity tests have clear argmaxes
 BIAS_STD = 0.05  # e_score_correction_bias: small but large enough to change routing
 
-# DeepSeek-V3's template, cut down to system/user/assistant turns (no tool calls).
+# DeepSeek-V3's template with its tool calls (the format of vLLM's tool_chat_template_deepseekv3
+# and of --tool-call-parser deepseek_v3) and R1's thinking switch. The markers are written as
+# text: the demo tokenizer has only the four special tokens above. ``tools`` go into the
+# system prompt; ``thinking=true`` (chat_template_kwargs) opens a <think> section after the
+# assistant tag. A conversation of system, user and assistant turns without tools renders
+# as the template of demo-model-v2 did.
 CHAT_TEMPLATE = (
     "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
     "{% endif %}"
-    "{% set ns = namespace(system_prompt='', is_first_sp=true) %}"
+    "{% set ns = namespace(system_prompt='', is_first_sp=true, is_tool=false) %}"
     "{% for message in messages %}{% if message['role'] == 'system' %}"
     "{% if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}"
     "{% set ns.is_first_sp = false %}"
     "{% else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}"
     "{% endif %}{% endif %}{% endfor %}"
+    "{% if tools %}"
+    "{% set ns.system_prompt = ns.system_prompt + ('\\n\\n' if ns.system_prompt else '')"
+    " + '## Tools\\nYou have access to the following tools:\\n' %}"
+    "{% for tool in tools %}{% set fn = tool['function'] %}"
+    "{% set ns.system_prompt = ns.system_prompt + '\\n### ' + fn['name'] + '\\nDescription: '"
+    " + (fn['description'] or '') + '\\n\\nParameters: ' + (fn['parameters'] or {}) | tojson"
+    " + '\\n' %}{% endfor %}"
+    "{% set ns.system_prompt = ns.system_prompt + '\\nIMPORTANT: ALWAYS adhere to this exact "
+    "format for tool use:\\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+    "tool_call_name\\n```json\\ntool_call_arguments\\n```<｜tool▁call▁end｜>"
+    "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' %}"
+    "{% endif %}"
     "{{ bos_token }}{{ ns.system_prompt }}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% if message['role'] == 'user' %}"
+    "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% set ns.is_tool = false %}{% endif %}"
+    "{{ '<｜User｜>' + message['content'] }}"
     "{% elif message['role'] == 'assistant' %}"
-    "{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% set ns.is_tool = false %}{% endif %}"
+    "{{ '<｜Assistant｜>' + (message['content'] or '') }}"
+    "{% if message['tool_calls'] %}{{ '<｜tool▁calls▁begin｜>' }}"
+    "{% for call in message['tool_calls'] %}{% set args = call['function']['arguments'] %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + call['function']['name']"
+    " + '\\n```json\\n' + (args if args is string else args | tojson)"
+    " + '\\n```<｜tool▁call▁end｜>' }}{% endfor %}{{ '<｜tool▁calls▁end｜>' }}{% endif %}"
+    "{{ '<｜end▁of▁sentence｜>' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if not ns.is_tool %}{{ '<｜tool▁outputs▁begin｜>' }}{% set ns.is_tool = true %}"
+    "{% endif %}"
+    "{{ '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}"
     "{% elif message['role'] != 'system' %}"
-    "{{ raise_exception('the demo chat template supports system, user and assistant roles, "
-    "not ' + message['role']) }}"
+    "{{ raise_exception('the demo chat template supports system, user, assistant and tool "
+    "roles, not ' + message['role']) }}"
     "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+    "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}"
+    "{% if thinking is defined and thinking %}{{ '<think>\\n' }}{% endif %}{% endif %}"
 )
 
 DEMO_CONFIG: dict = {

@@ -1,17 +1,21 @@
 """``POST /v1/chat/completions``: the conversation rendered with the model's chat template.
 
-Streaming sends, per choice, a first chunk with ``delta.role``, then content chunks, a last
-chunk with ``finish_reason``; then a usage chunk when ``stream_options.include_usage``, then
-``[DONE]``.
+Streaming sends, per choice, a first chunk with ``delta.role``, then content chunks (and
+``reasoning_content`` or ``tool_calls`` deltas: ``serving/answers.py``), a last chunk with
+``finish_reason``; then a usage chunk when ``stream_options.include_usage``, then
+``[DONE]``. Tool calling (``serving/tools.py``) shows the tools to the template, may hold
+the sampling to calls, and reads the answer's calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 
+from moeserve.serving.answers import AnswerStream, read_whole
 from moeserve.serving.errors import bad_request
 from moeserve.serving.generation import Generation, merge
 from moeserve.serving.logprobs import chat_logprobs
@@ -27,7 +31,6 @@ from moeserve.serving.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from moeserve.serving.reasoning import ReasoningSplitter, Split, split_whole
 from moeserve.serving.sampling import build_params, check_unsupported, max_tokens_for
 from moeserve.serving.state import (
     ServerState,
@@ -38,19 +41,39 @@ from moeserve.serving.state import (
     stream_when_started,
 )
 from moeserve.serving.structured import guided_params
+from moeserve.serving.tool_parsers import ToolFormat
+from moeserve.serving.tools import plan_tools
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """How a sample's text becomes the answer's parts."""
+
+    reasoning_parser: str | None
+    prompt_tail: str  # whether the template opened (or closed) the thinking section
+    fmt: ToolFormat | None  # the tool-call format, when the request's calls are read
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     state.check_accepting()
     model = state.model_name(req.model)
     check_unsupported(req)
+    tools = plan_tools(req, state.tool_call_parser, state.enable_auto_tool_choice)
     guided = await asyncio.to_thread(guided_params, req, state.tokenizer)  # compiles: off the loop
+    if tools.guided is not None:
+        if guided is not None:
+            raise bad_request(
+                "a tool_choice that requires calls and structured output cannot go together",
+                "tool_choice",
+            )
+        guided = tools.guided
     ids = await state.prompts.render_chat(
         req.messages,
         req.add_generation_prompt,
         req.continue_final_message,
         req.chat_template,
         req.chat_template_kwargs,
+        tools=tools.tools,
     )
     requested = req.max_completion_tokens or req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -61,19 +84,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params, options = build_params(req, state.defaults, max_tokens, logprobs=top_n, guided=guided)
     request_id = new_id("chatcmpl")
     g = Generation.create(request_id, ids, params, options, state.tokenizer)
-    # with --reasoning-parser: whether the template opened (or closed) the thinking section
-    tail = _prompt_tail(state, ids)
+    tail = ""
+    if state.reasoning_parser is not None:
+        tail = state.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+    reading = _Reading(state.reasoning_parser, tail, tools.fmt)
     await start_all(state, [g])
     if req.stream:
-        return await stream_when_started(request, [g], _stream(state, req, model, g, tail))
-    return await full_response(request, _collect(state, req, model, g, tail))
-
-
-def _prompt_tail(state: ServerState, ids: list[int]) -> str | None:
-    """The rendered prompt's end, which a reasoning parser reads (None without one)."""
-    if state.reasoning_parser is None:
-        return None
-    return state.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+        return await stream_when_started(request, [g], _stream(state, req, model, g, reading))
+    return await full_response(request, _collect(state, req, model, g, reading))
 
 
 def _usage(g: Generation) -> Usage:
@@ -94,53 +112,55 @@ def _logprobs(state: ServerState, req, token_ids, entries) -> ChatChoiceLogprobs
 
 
 async def _collect(
-    state: ServerState, req: ChatCompletionRequest, model: str, g: Generation, tail: str | None
+    state: ServerState, req: ChatCompletionRequest, model: str, g: Generation, reading: _Reading
 ) -> ChatCompletionResponse:
     async for _ in merge([g], state.metrics):
         pass
-    choices = [
-        ChatChoice(
-            index=i,
-            message=_message(state, s.text, tail),
-            logprobs=_logprobs(state, req, s.token_ids, s.logprobs),
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
+    choices = []
+    for i, s in enumerate(g.tracker.samples):
+        answer = read_whole(s.text, reading.reasoning_parser, reading.prompt_tail, reading.fmt)
+        message = ChatResponseMessage(
+            content=answer.content,
+            reasoning_content=answer.reasoning,
+            tool_calls=answer.tool_calls,
         )
-        for i, s in enumerate(g.tracker.samples)
-    ]
+        called = answer.tool_calls and s.finish_reason == "stop"
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=message,
+                logprobs=_logprobs(state, req, s.token_ids, s.logprobs),
+                finish_reason="tool_calls" if called else s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+        )
     return ChatCompletionResponse(id=g.request_id, model=model, choices=choices, usage=_usage(g))
 
 
-def _message(state: ServerState, text: str, tail: str | None) -> ChatResponseMessage:
-    if state.reasoning_parser is None:
-        return ChatResponseMessage(content=text)
-    reasoning, content = split_whole(state.reasoning_parser, text, tail or "")
-    return ChatResponseMessage(content=content, reasoning_content=reasoning)
-
-
 async def _stream(
-    state: ServerState, req: ChatCompletionRequest, model: str, g: Generation, tail: str | None
+    state: ServerState, req: ChatCompletionRequest, model: str, g: Generation, reading: _Reading
 ) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=g.request_id, model=model, choices=choices, usage=usage))
 
-    splitters = (
-        {i: ReasoningSplitter(state.reasoning_parser, tail or "") for i in range(req.n)}
-        if state.reasoning_parser is not None
-        else None
-    )
+    plain = reading.reasoning_parser is None and reading.fmt is None
+    answers = {
+        i: AnswerStream(reading.reasoning_parser, reading.prompt_tail, reading.fmt)
+        for i in range(req.n)
+    }
 
     def delta(d) -> DeltaMessage | None:
         """The sample's delta message; None when it says nothing yet."""
-        if splitters is None:
+        if plain:
             return DeltaMessage(content=d.text) if d.text else None
-        part = splitters[d.index].feed(d.text)
-        if d.finish_reason is not None:
-            rest = splitters[d.index].finish()
-            part = Split(part.reasoning + rest.reasoning, part.content + rest.content)
-        if not part.reasoning and not part.content:
+        part = answers[d.index].feed(d.text, d.finish_reason is not None)
+        if not part:
             return None
-        return DeltaMessage(content=part.content or None, reasoning_content=part.reasoning or None)
+        return DeltaMessage(
+            content=part.content or None,
+            reasoning_content=part.reasoning or None,
+            tool_calls=part.tool_calls or None,
+        )
 
     yield chunk(
         [
@@ -154,12 +174,15 @@ async def _stream(
             message = delta(d)
             if message is None and d.finish_reason is None and not req.logprobs:
                 continue
+            reason = d.finish_reason
+            if reason == "stop" and answers[d.index].called:
+                reason = "tool_calls"
             choices.append(
                 ChatChunkChoice(
                     index=d.index,
                     delta=message or DeltaMessage(content=""),
                     logprobs=_logprobs(state, req, d.token_ids, d.logprobs),
-                    finish_reason=d.finish_reason,
+                    finish_reason=reason,
                     stop_reason=d.stop_reason,
                 )
             )

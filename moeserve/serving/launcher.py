@@ -41,6 +41,7 @@ from moeserve.serving.prompts import PromptWorkers
 from moeserve.serving.reasoning import PARSERS as REASONING_PARSERS
 from moeserve.serving.sampling import ModelDefaults
 from moeserve.serving.state import ServerState
+from moeserve.serving.tool_parsers import PARSERS as TOOL_PARSERS
 from moeserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("moeserve.serve")
@@ -59,6 +60,8 @@ class ServeOptions:
     debug_endpoints: bool = False
     trust_request_chat_template: bool = False
     reasoning_parser: str | None = None  # serving/reasoning.py: deepseek_r1 | qwen3
+    tool_call_parser: str | None = None  # serving/tool_parsers: deepseek_v3 | ... | hermes
+    enable_auto_tool_choice: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
 
@@ -69,6 +72,13 @@ class ServeOptions:
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.tool_call_parser not in (None, *TOOL_PARSERS):
+            raise ValueError(
+                f"unknown tool-call parser {self.tool_call_parser!r}; choose "
+                f"{', '.join(TOOL_PARSERS)}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(
                 f"unknown reasoning parser {self.reasoning_parser!r}; choose "
@@ -237,6 +247,8 @@ def _server_state(
         api_key=options.api_key,
         debug_endpoints=options.debug_endpoints,
         reasoning_parser=options.reasoning_parser,
+        tool_call_parser=options.tool_call_parser,
+        enable_auto_tool_choice=options.enable_auto_tool_choice,
         max_request_body_bytes=options.max_request_body_bytes,
         max_waiting_requests=ready.max_waiting_requests,
         data_parallel_size=ready.data_parallel_size,

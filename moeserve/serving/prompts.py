@@ -41,6 +41,10 @@ def chat_dict(msg: ChatMessage) -> dict:
         out["name"] = msg.name
     if msg.reasoning_content is not None:
         out["reasoning_content"] = msg.reasoning_content
+    if msg.tool_calls:
+        out["tool_calls"] = msg.tool_calls
+    if msg.tool_call_id is not None:
+        out["tool_call_id"] = msg.tool_call_id
     return out
 
 
@@ -90,8 +94,10 @@ class PromptWorkers:
         chat_template: str | None,
         chat_template_kwargs: dict | None,
         add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """Token ids of the rendered conversation; 400 for what cannot be rendered."""
+        """Token ids of the rendered conversation (``tools``: the request's, shown to the
+        template); 400 for what cannot be rendered."""
         if add_generation_prompt and continue_final_message:
             raise bad_request(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -103,6 +109,8 @@ class PromptWorkers:
                 "continue_final_message needs an assistant message last", "continue_final_message"
             )
         kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
         template, field = self._request_template(chat_template, kwargs)
         try:
             if template is None:

@@ -165,6 +165,7 @@ class ChatMessage(_Model):
     name: str | None = None
     reasoning_content: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -175,6 +176,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -199,6 +201,7 @@ class ChatResponseMessage(_Model):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {id, type: function, function: {...}}
 
 
 class ChatChoice(_Model):
@@ -222,6 +225,7 @@ class DeltaMessage(_Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {index, id?, type?, function: {...}}
 
 
 class ChatChunkChoice(_Model):

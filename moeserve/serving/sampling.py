@@ -54,9 +54,6 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of", "unsupported")
-    else:
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("tool calling is not supported", "tools", "unsupported")
 
 
 def max_tokens_for(

@@ -51,6 +51,8 @@ class ServerState:
     api_key: str | None = None
     debug_endpoints: bool = False
     reasoning_parser: str | None = None  # split chat answers' thinking (serving/reasoning.py)
+    tool_call_parser: str | None = None  # read chat answers' tool calls (serving/tools.py)
+    enable_auto_tool_choice: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # sequences the engine queues at most per DP replica (None: unbounded), and the replicas
     max_waiting_requests: int | None = None

@@ -168,8 +168,8 @@ def test_chat_template_matches_transformers(tok, hf, add_generation_prompt):
 
 
 def test_chat_template_raise_exception(tok):
-    with pytest.raises(TokenizerError, match="not tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "42"}])
+    with pytest.raises(TokenizerError, match="not function"):
+        tok.apply_chat_template([{"role": "function", "content": "42"}])
     with pytest.raises(TokenizerError, match="empty conversation"):
         tok.apply_chat_template([])
 
