@@ -398,6 +398,8 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; this engine's max_model_len is "
                 f"{self.max_model_len}, which must leave room for at least one output token"
             )
+        if params.guided_decoding is not None:  # a bad schema fails here, not in a step
+            self.grammars.check(params.guided_decoding, vocab)
         cap = self.config.max_waiting_requests
         if cap is not None and params.n > cap:
             raise ValueError(

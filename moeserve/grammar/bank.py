@@ -36,6 +36,7 @@ from moeserve.core import Sequence
 from moeserve.grammar.bitmask import apply_bitmask
 from moeserve.grammar.compile import check
 from moeserve.grammar.tokenizer import ll_tokenizer
+from moeserve.guided import GuidedDecodingParams
 from moeserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,15 @@ class GrammarBank:
         self._executor: llg.LLExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None  # computes a step's masks meanwhile
         self._states: weakref.WeakKeyDictionary[Sequence, _State] = weakref.WeakKeyDictionary()
+
+    def check(self, params: GuidedDecodingParams, vocab: int) -> None:
+        """Raise ValueError (a GrammarError: what is wrong) when ``params`` do not compile,
+        or this engine has no tokenizer to hold a request to them."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured output needs the model's tokenizer, and this engine has none"
+            )
+        check(params, ll_tokenizer(self.tokenizer, vocab))
 
     @staticmethod
     def constrained(seqs: SequenceABC[Sequence]) -> list[int]:

@@ -173,3 +173,12 @@ def test_the_engine_and_server_do_not_import_torch_dynamo():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_engine_refuses_a_bad_grammar_when_it_is_added():
+    from moeserve import LLM
+
+    llm = LLM(progress=False, max_model_len=128)
+    with pytest.raises(GrammarError, match="invalid regex"):
+        llm.generate(["hi"], SamplingParams(max_tokens=4, guided_decoding={"regex": "[a-"}))
+    assert not llm.engine.has_unfinished_requests()
