@@ -40,7 +40,7 @@ from moeserve.serving.state import (
     start_all,
     stream_when_started,
 )
-from moeserve.serving.structured import guided_params
+from moeserve.serving.structured import check_compiles, guided_params
 from moeserve.serving.tool_parsers import ToolFormat
 from moeserve.serving.tools import plan_tools
 
@@ -66,6 +66,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                 "a tool_choice that requires calls and structured output cannot go together",
                 "tool_choice",
             )
+        # the tools' parameters schemas, compiled: off the loop
+        await asyncio.to_thread(check_compiles, tools.guided, state.tokenizer, "tools")
         guided = tools.guided
     ids = await state.prompts.render_chat(
         req.messages,

@@ -42,13 +42,18 @@ def guided_params(
         )
     field = given[0]
     params = _params(req, field)
+    check_compiles(params, tokenizer, field)
+    return params
+
+
+def check_compiles(params: GuidedDecodingParams, tokenizer: Tokenizer | None, field: str) -> None:
+    """400 naming ``field`` when ``params`` do not compile (or there is no tokenizer)."""
     if tokenizer is None:
         raise bad_request("structured output needs the model's tokenizer", field)
     try:
         check(params, ll_tokenizer(tokenizer, tokenizer.vocab_size))
     except GrammarError as e:
         raise bad_request(str(e), field) from None
-    return params
 
 
 def _params(req: CompletionRequest | ChatCompletionRequest, field: str) -> GuidedDecodingParams:

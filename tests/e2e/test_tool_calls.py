@@ -107,6 +107,8 @@ def test_a_named_function_and_the_conversation_after_it(client):
         ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "objectx"}}}], "tool_choice": "required"}, "tools"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
          "tool_choice"),
     ],
