@@ -27,6 +27,10 @@ class GuidedDecodingParams:
     whitespace_flexible: bool = False
     # JSON: refuse schema keywords the grammar cannot enforce (False: ignore them)
     strict: bool = True
+    # a reasoning model's thinking section comes first, free, and the grammar holds what
+    # follows it: "inside" (the output starts in it, up to "</think>"), "optional" (the
+    # model may open one with "<think>"), "" (none)
+    thinking: str = ""
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -35,6 +39,8 @@ class GuidedDecodingParams:
             object.__setattr__(self, "choice", tuple(self.choice))
             if not self.choice or not all(isinstance(c, str) for c in self.choice):
                 raise ValueError("guided choice must be a non-empty list of strings")
+        if self.thinking not in ("", "inside", "optional"):
+            raise ValueError(f"thinking must be '', inside or optional, got {self.thinking!r}")
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(

@@ -31,9 +31,28 @@ class GrammarError(ValueError):
         self.kind = kind
 
 
+# the free thinking section before the held answer: anything, up to and with "</think>"
+_THINK = 'think[suffix="</think>"]: /(?s:.*)/\nws: /[ \\t\\n]*/\n'
+_AFTER = {
+    "inside": "start: think ws @answer\n" + _THINK,
+    "optional": 'start: (ws "<think>" think ws)? @answer\n' + _THINK,
+}
+
+
 @lru_cache(maxsize=256)
 def grammar_of(params: GuidedDecodingParams) -> str:
-    """The llguidance grammar (its JSON text) for ``params``. Raises GrammarError."""
+    """The llguidance grammar (its JSON text) for ``params``, after a free thinking section
+    when ``params.thinking`` says so. Raises GrammarError."""
+    answer = _answer_grammar(params)
+    if not params.thinking:
+        return answer
+    top = json.loads(answer)
+    held = dict(top["grammars"][0], name="answer")
+    main = {"name": "after_thinking", "lark_grammar": _AFTER[params.thinking]}
+    return json.dumps({**top, "grammars": [main, held, *top["grammars"][1:]]})
+
+
+def _answer_grammar(params: GuidedDecodingParams) -> str:
     kind = params.kind
     try:
         if kind in ("json", "json_object"):

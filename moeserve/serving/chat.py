@@ -10,6 +10,7 @@ the sampling to calls, and reads the answer's calls.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from moeserve.serving.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from moeserve.serving.reasoning import thinking_mode
 from moeserve.serving.sampling import build_params, check_unsupported, max_tokens_for
 from moeserve.serving.state import (
     ServerState,
@@ -83,12 +85,15 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    params, options = build_params(req, state.defaults, max_tokens, logprobs=top_n, guided=guided)
     request_id = new_id("chatcmpl")
-    g = Generation.create(request_id, ids, params, options, state.tokenizer)
     tail = ""
     if state.reasoning_parser is not None:
         tail = state.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+        if guided is not None:  # the grammar holds the answer after the thinking section
+            thinking = thinking_mode(state.reasoning_parser, tail)
+            guided = dataclasses.replace(guided, thinking=thinking)
+    params, options = build_params(req, state.defaults, max_tokens, logprobs=top_n, guided=guided)
+    g = Generation.create(request_id, ids, params, options, state.tokenizer)
     reading = _Reading(state.reasoning_parser, tail, tools.fmt)
     await start_all(state, [g])
     if req.stream:

@@ -41,15 +41,9 @@ class ReasoningSplitter:
     prompt, which says whether the template opened or closed the thinking section."""
 
     def __init__(self, parser: str, prompt_tail: str = "") -> None:
-        if parser not in PARSERS:
-            raise ValueError(f"unknown reasoning parser {parser!r}; choose {', '.join(PARSERS)}")
-        tail = prompt_tail.rstrip()
-        if tail.endswith(END):
-            self.mode = "content"  # the template closed it: thinking is off
-        elif tail.endswith(START) or parser == "deepseek_r1":
-            self.mode = "opening"  # inside, though the model may write <think> once more
-        else:
-            self.mode = "undecided"
+        self.mode = {"": "content", "inside": "opening", "optional": "undecided"}[
+            thinking_mode(parser, prompt_tail)
+        ]  # opening: inside, though the model may write <think> once more
         self._held = ""
 
     def feed(self, text: str) -> Split:
@@ -89,6 +83,20 @@ class ReasoningSplitter:
         if self.mode in ("reasoning", "opening"):
             return Split(reasoning=held)
         return Split(content=held)
+
+
+def thinking_mode(parser: str, prompt_tail: str) -> str:
+    """Where the output starts: "inside" a thinking section, "optional" (the model may open
+    one), or "" (the template closed it: thinking is off). The structured output of such a
+    request holds what follows the section (``GuidedDecodingParams.thinking``)."""
+    if parser not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {parser!r}; choose {', '.join(PARSERS)}")
+    tail = prompt_tail.rstrip()
+    if tail.endswith(END):
+        return ""
+    if tail.endswith(START) or parser == "deepseek_r1":
+        return "inside"
+    return "optional"
 
 
 def split_whole(parser: str, text: str, prompt_tail: str = "") -> tuple[str | None, str | None]:
