@@ -326,9 +326,10 @@ def _unique_tokens(
 
 def _min_tokens_blocked(seq: Sequence, vocab: int) -> list[int]:
     """Token ids masked for ``seq`` at this step: EOS (unless ignore_eos) and stop ids while
-    fewer than ``min_tokens`` tokens were generated."""
+    fewer than ``min_tokens`` tokens were generated. Not under structured output: its grammar
+    decides when the answer may end (a complete one allows nothing but EOS)."""
     p = seq.params
-    if len(seq.output_token_ids) >= p.min_tokens:
+    if len(seq.output_token_ids) >= p.min_tokens or p.guided_decoding is not None:
         return []
     ids = set(p.stop_token_ids)
     if not p.ignore_eos:
@@ -352,7 +353,7 @@ def reference_process_logits(logits_V: torch.Tensor, seq: Sequence) -> torch.Ten
     for tok in set(seq.output_token_ids):
         count = seq.output_token_ids.count(tok)
         out[tok] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
-    if len(seq.output_token_ids) < p.min_tokens:
+    if len(seq.output_token_ids) < p.min_tokens and p.guided_decoding is None:
         blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids))
         for tok in blocked:
             out[tok] = -math.inf

@@ -105,3 +105,14 @@ def test_mtp_drafts_keep_constrained_greedy_outputs(ckpt, reference, k):
     assert [o.outputs[0].token_ids for o in got] == want
     stats = llm.engine.stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
+def test_min_tokens_yields_to_a_complete_grammar(ckpt):
+    """A grammar complete before min_tokens allows only EOS: the request ends there, with
+    the whole answer (min_tokens would otherwise leave no token to sample)."""
+    llm = LLM(str(ckpt), **ENGINE)
+    params = SamplingParams(
+        max_tokens=40, min_tokens=30, temperature=0, guided_decoding={"choice": ["yes", "no"]}
+    )
+    (out,) = llm.generate(prompts(1, 3), params)
+    assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
