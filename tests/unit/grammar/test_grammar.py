@@ -12,7 +12,11 @@ import torch
 from moeserve.core import SamplingParams, Sequence
 from moeserve.demo import demo_model_path
 from moeserve.grammar.bank import GrammarBank
-from moeserve.grammar.bitmask import apply_bitmask, reference_apply_bitmask
+from moeserve.grammar.bitmask import (
+    apply_bitmask,
+    reference_apply_bitmask,
+    torch_apply_bitmask,
+)
 from moeserve.grammar.compile import GrammarError, check, grammar_of
 from moeserve.grammar.tokenizer import ll_tokenizer
 from moeserve.guided import GuidedDecodingParams
@@ -26,16 +30,34 @@ def tok() -> Tokenizer:
     return Tokenizer.from_dir(demo_model_path())
 
 
-@pytest.mark.parametrize("vocab, words", [(70, 3), (64, 2), (100, 2), (33, 1)])
-def test_bitmask_matches_its_oracle(vocab, words):
+@pytest.mark.parametrize("apply", [apply_bitmask, torch_apply_bitmask])
+@pytest.mark.parametrize("vocab, words", [(70, 3), (64, 2), (100, 2), (33, 1), (300, 10)])
+def test_bitmask_matches_its_oracle(apply, vocab, words):
     g = torch.Generator().manual_seed(vocab)
     mask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int64)
     mask = mask.to(torch.int32)
-    logits = torch.randn(3, vocab, generator=g)
+    mask[0, 0], mask[1, 0] = -1, 0  # every token of a word allowed; none
+    logits = torch.randn(4, vocab + 5, generator=g)[:3, :vocab]  # rows with a stride
     want = logits.clone()
-    apply_bitmask(logits, mask)
+    apply(logits, mask)
     reference_apply_bitmask(want, mask)
     assert torch.equal(logits, want)
+
+
+def test_the_kernel_and_torch_agree_at_deepseeks_vocabulary():
+    g = torch.Generator().manual_seed(1)
+    mask = torch.randint(-(2**31), 2**31 - 1, (32, 4040), generator=g, dtype=torch.int64)
+    mask = mask.to(torch.int32)
+    mask[:, :100] = -1
+    mask[:, 100:200] = 0
+    a = torch.randn(32, 129280, generator=g)
+    b = a.clone()
+    apply_bitmask(a, mask)
+    torch_apply_bitmask(b, mask)
+    assert torch.equal(a, b)
+    half = a.to(torch.bfloat16)  # not fp32: the torch path
+    apply_bitmask(half, mask)
+    assert torch.equal(half.isinf(), a.isinf())
 
 
 def test_params_take_exactly_one_kind():
