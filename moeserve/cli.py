@@ -449,17 +449,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# PyTorch keeps a oneDNN primitive per matmul shape in an LRU cache of this many entries
-# (its default, 1024, is ~250 MB with the demo model in bf16): a service sees ever new batch
-# shapes, so its engine's memory would grow to that. 16 keeps it within a few MB and measured
-# no slower; 64 still let the engine grow ~5 MB per loss and rejoin (docs/benchmarks.md,
-# elastic EP chaos soak). The environment overrides it.
-ONEDNN_CACHE_ENTRIES = "16"
+# oneDNN keeps every primitive it makes for a matmul shape in two caches: its own
+# (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's in PyTorch (LRU_CACHE_CAPACITY), 1024 entries
+# each by default (~250 MB with the demo model in bf16). A service sees ever new batch
+# shapes, so its engine's memory would grow to that. 16 in both kept the engine flat through
+# kills and rejoins and measured no slower (docs/benchmarks.md, elastic EP chaos soak); one
+# of them alone did not. The environment overrides either.
+ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    # before any engine process starts: they inherit it
-    os.environ.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
+    for name, entries in ONEDNN_CACHES.items():  # before any engine process starts
+        os.environ.setdefault(name, entries)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
