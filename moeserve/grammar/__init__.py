@@ -4,7 +4,8 @@ token masks that hold its samples to it (llguidance).
     compile.py     params -> llguidance grammar; a bad schema, regex or grammar is a
                    GrammarError naming the field (the API answers 400 with it)
     tokenizer.py   the model's tokenizer as llguidance sees it (one per vocabulary)
-    bitmask.py     a packed token bitmask applied to logits (pure torch)
+    bitmask.py     a packed token bitmask applied to logits (the C kernel of
+                   ``ops/cpu/bitmask.c`` for fp32, else plain torch)
     bank.py        the sampling rank's matchers, one per constrained sequence: masks for a
                    step's rows, and for each draft position under speculative decoding
 
