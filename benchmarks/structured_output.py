@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from moeserve import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from elastic import model_dir  # noqa: E402
+from pd import host  # noqa: E402
+
+from moeserve import LLM, SamplingParams  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -27,23 +31,6 @@ SCHEMA = {
     "required": ["notes"],
     "additionalProperties": False,
 }
-
-
-def model_dir(name: str) -> str | None:
-    if name == "demo":
-        return None
-    if name == "bench":
-        from bench_model import bench_model_path
-
-        return str(bench_model_path())
-    return name
-
-
-def host() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def tokens_per_s(llm: LLM, batch: int, params: SamplingParams) -> float:
@@ -64,8 +51,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench_out/structured_output.json")
     args = ap.parse_args()
     kw = {"progress": False, "num_threads": args.threads, "max_num_seqs": max(args.batches)}
-    path = model_dir(args.model)
-    llm = LLM(model=path, **kw) if path else LLM(**kw)
+    llm = LLM(model=str(model_dir(args.model)), **kw)
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     held = SamplingParams(
         max_tokens=args.max_tokens, temperature=0, guided_decoding={"json": SCHEMA}
