@@ -146,6 +146,15 @@ class TextTracker:
         return delta
 
 
+def partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` without being all of
+    it: what must wait, because more text may make it ``tag`` (0: nothing)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
 def find_stop(text: str, start: int, stops: Iterable[str]) -> tuple[int, str] | None:
     """Earliest stop string in ``text`` that ends after ``start`` (the old text length).
 

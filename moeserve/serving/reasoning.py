@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeserve.text_tracker import partial_tag
+
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
@@ -71,7 +73,7 @@ class ReasoningSplitter:
                 reasoning.append(held[:at])
                 self._held, self.mode = held[at + len(END) :], "content"
                 continue
-            keep = _partial_suffix(held, END)
+            keep = partial_tag(held, END)
             reasoning.append(held[: len(held) - keep])
             self._held = held[len(held) - keep :]
             break
@@ -105,11 +107,3 @@ def split_whole(parser: str, text: str, prompt_tail: str = "") -> tuple[str | No
     a, b = s.feed(text), s.finish()
     reasoning, content = a.reasoning + b.reasoning, a.content + b.content
     return reasoning or None, content or None
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (0: none)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

@@ -60,9 +60,7 @@ class Scan:
 
 
 class ToolFormat:
-    """One model family's tool-call text (subclasses: :meth:`scan` and :attr:`start`)."""
-
-    start = ""  # the text that opens the tool calls
+    """One model family's tool-call text (subclasses: :meth:`scan`)."""
 
     def scan(self, text: str, final: bool) -> Scan:
         raise NotImplementedError
@@ -79,13 +77,6 @@ class ToolFormat:
             return ParsedMessage(text or None, [])
         calls = [ToolCall(c.name, c.arguments.strip()) for c in s.calls]
         return ParsedMessage(s.content.strip() or None, calls)
-
-    def held_back(self, text: str) -> int:
-        """How much of ``text``'s end may still begin :attr:`start` (not sent as content)."""
-        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-n:]):
-                return n
-        return 0
 
 
 class ToolCallStream:

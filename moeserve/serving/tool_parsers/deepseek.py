@@ -14,6 +14,7 @@ begin the call's closing text.
 from __future__ import annotations
 
 from moeserve.serving.tool_parsers.base import Scan, ScannedCall, ToolFormat
+from moeserve.text_tracker import partial_tag
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -23,13 +24,12 @@ SEP = "<｜tool▁sep｜>"
 
 
 class DeepSeekV3(ToolFormat):
-    start = CALLS_BEGIN
     fenced = True  # V3: ``function<sep>NAME\n```json\nARGS\n```<end>``
 
     def scan(self, text: str, final: bool) -> Scan:
         at = text.find(CALLS_BEGIN)
         if at < 0:
-            keep = 0 if final else self.held_back(text)
+            keep = 0 if final else partial_tag(text, CALLS_BEGIN)
             return Scan(text[: len(text) - keep], [])
         rest, calls = text[at + len(CALLS_BEGIN) :], []
         while True:
@@ -73,17 +73,9 @@ class DeepSeekV3(ToolFormat):
                 args = args[:-3]
             return ScannedCall(name, args, True), args_text[end + len(CALL_END) :]
         closing = ("\n```" if self.fenced else "") + CALL_END
-        keep = _partial_suffix(args_text, closing) if not final else 0
+        keep = partial_tag(args_text, closing) if not final else 0
         return ScannedCall(name, args_text[: len(args_text) - keep], False), ""
 
 
 class DeepSeekV31(DeepSeekV3):
     fenced = False  # V3.1: ``NAME<sep>ARGS<end>``
-
-
-def _partial_suffix(text: str, closing: str) -> int:
-    """The length of the longest end of ``text`` that begins ``closing``."""
-    for n in range(min(len(closing), len(text)), 0, -1):
-        if closing.startswith(text[-n:]):
-            return n
-    return 0

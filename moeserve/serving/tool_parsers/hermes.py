@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 
 from moeserve.serving.tool_parsers.base import Scan, ScannedCall, ToolFormat
+from moeserve.text_tracker import partial_tag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class Hermes(ToolFormat):
-    start = OPEN
-
     def scan(self, text: str, final: bool) -> Scan:
         at = text.find(OPEN)
         if at < 0:
-            keep = 0 if final else self.held_back(text)
+            keep = 0 if final else partial_tag(text, OPEN)
             return Scan(text[: len(text) - keep], [])
         rest, calls = text[at:], []
         while True:
