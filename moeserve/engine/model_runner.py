@@ -141,9 +141,7 @@ class ModelRunner:
         """The grammar masks of the rows this rank samples (structured output), started on
         the bank's worker thread; None without constrained rows or off the replica leader
         (whose samples are the ones kept)."""
-        if self.grammars is None or not self.groups.is_last_stage:
-            return None
-        if not self.groups.is_replica_leader:
+        if self.grammars is None or not self.groups.is_replica_leader:  # leader: last stage
             return None
         seqs = [s.seq for s in batch.seqs if s.sample]
         return self.grammars.start(seqs, self.model.config.vocab_size)

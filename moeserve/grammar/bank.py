@@ -34,8 +34,7 @@ import torch
 
 from moeserve.core import Sequence
 from moeserve.grammar.bitmask import apply_bitmask
-from moeserve.grammar.compile import check
-from moeserve.grammar.tokenizer import ll_tokenizer
+from moeserve.grammar.compile import compile_for
 from moeserve.guided import GuidedDecodingParams
 from moeserve.tokenizer import Tokenizer
 
@@ -73,11 +72,7 @@ class GrammarBank:
     def check(self, params: GuidedDecodingParams, vocab: int) -> None:
         """Raise ValueError (a GrammarError: what is wrong) when ``params`` do not compile,
         or this engine has no tokenizer to hold a request to them."""
-        if self.tokenizer is None:
-            raise ValueError(
-                "structured output needs the model's tokenizer, and this engine has none"
-            )
-        check(params, ll_tokenizer(self.tokenizer, vocab))
+        compile_for(params, self.tokenizer, vocab)
 
     @staticmethod
     def constrained(seqs: SequenceABC[Sequence]) -> list[int]:
@@ -152,12 +147,7 @@ class GrammarBank:
         """``seq``'s matcher, caught up with its outputs (made at its first use)."""
         state = self._states.get(seq)
         if state is None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    "structured output needs the model's tokenizer, and this engine has none"
-                )
-            tok = ll_tokenizer(self.tokenizer, vocab)
-            grammar = check(seq.params.guided_decoding, tok)
+            tok, grammar = compile_for(seq.params.guided_decoding, self.tokenizer, vocab)
             state = self._states[seq] = _State(llg.LLMatcher(tok, grammar))
         new = seq.output_token_ids[state.consumed :]
         if new:

@@ -20,7 +20,9 @@ from functools import lru_cache
 import llguidance as llg
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
+from moeserve.grammar.tokenizer import ll_tokenizer
 from moeserve.guided import GuidedDecodingParams
+from moeserve.tokenizer import Tokenizer
 
 
 class GrammarError(ValueError):
@@ -74,6 +76,18 @@ def _answer_grammar(params: GuidedDecodingParams) -> str:
         raise
     except (ValueError, TypeError, RuntimeError, GbnfToLarkError) as e:  # malformed input
         raise GrammarError(kind, f"invalid {kind}: {e}") from e
+
+
+def compile_for(
+    params: GuidedDecodingParams, tokenizer: Tokenizer | None, vocab: int
+) -> tuple[llg.LLTokenizer, str]:
+    """``params`` compiled for a model's ``tokenizer`` over ``vocab`` ids: llguidance's
+    tokenizer and the checked grammar. Raises ValueError without a tokenizer, GrammarError
+    (a ValueError) when the grammar does not compile."""
+    if tokenizer is None:
+        raise ValueError("structured output needs the model's tokenizer, and this model has none")
+    tok = ll_tokenizer(tokenizer, vocab)
+    return tok, check(params, tok)
 
 
 def check(params: GuidedDecodingParams, tokenizer: llg.LLTokenizer) -> str:

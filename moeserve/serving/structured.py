@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import json
 
-from moeserve.grammar.compile import GrammarError, check
-from moeserve.grammar.tokenizer import ll_tokenizer
+from moeserve.grammar.compile import compile_for
 from moeserve.guided import GuidedDecodingParams
 from moeserve.serving.errors import bad_request
 from moeserve.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,11 +47,9 @@ def guided_params(
 
 def check_compiles(params: GuidedDecodingParams, tokenizer: Tokenizer | None, field: str) -> None:
     """400 naming ``field`` when ``params`` do not compile (or there is no tokenizer)."""
-    if tokenizer is None:
-        raise bad_request("structured output needs the model's tokenizer", field)
     try:
-        check(params, ll_tokenizer(tokenizer, tokenizer.vocab_size))
-    except GrammarError as e:
+        compile_for(params, tokenizer, tokenizer.vocab_size if tokenizer else 0)
+    except ValueError as e:  # no tokenizer, or a GrammarError
         raise bad_request(str(e), field) from None
 
 
