@@ -243,29 +243,29 @@ class Membership:
 
     def current_members(self) -> tuple[int, ...]:
         """The members of the newest generation, as the store has them."""
+        return self._newest()[1]
+
+    def _newest(self) -> tuple[int, tuple[int, ...]]:
+        """The newest generation and its members, as the store has them."""
         gen = int(self.store.get(_GEN_KEY))
-        return tuple(json.loads(self.store.get(_members_key(gen))))
+        return gen, tuple(json.loads(self.store.get(_members_key(gen))))
 
     def join(self, wait_s: float) -> tuple[int, ...]:
         """A replacement: ask to join and wait (up to ``wait_s``) for the generation that
         includes this rank; its members. Raises GroupEnded when none comes, and ValueError
         when this launch rank is a member now."""
         rank = self.spec.rank
-        gen = int(self.store.get(_GEN_KEY))
-        members = json.loads(self.store.get(_members_key(gen)))
-        if rank in members:
+        if rank in self.current_members():
             raise ValueError(f"launch rank {rank} is a member of the running group already")
         self.store.delete_key(dead_key(rank))  # its predecessor's death is history
         self.store.set(_join_key(rank), "1")
         self.store.add(_JOINS_KEY, 1)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            gen = int(self.store.get(_GEN_KEY))
-            members = json.loads(self.store.get(_members_key(gen)))
+            gen, members = self._newest()
             if rank in members:
-                self.generation = gen
-                self.members = tuple(members)
-                return self.members
+                self.generation, self.members = gen, members
+                return members
             time.sleep(0.1)
         self.store.delete_key(_join_key(rank))
         raise GroupEnded(f"the group did not take launch rank {rank} in within {wait_s:.0f}s")
