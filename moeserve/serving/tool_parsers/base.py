@@ -69,11 +69,7 @@ class ToolFormat:
         """The calls of a finished message; its whole text as content when it has none or
         they are malformed."""
         s = self.scan(text, final=True)
-        if (
-            s.malformed
-            or not s.calls
-            or not all(c.complete and _is_object(c.arguments) for c in s.calls)
-        ):
+        if not _well_formed(s):
             return ParsedMessage(text or None, [])
         calls = [ToolCall(c.name, c.arguments.strip()) for c in s.calls]
         return ParsedMessage(s.content.strip() or None, calls)
@@ -101,13 +97,10 @@ class ToolCallStream:
         the calls turned out malformed."""
         if self._fallen_back:
             return "", []
-        parsed = self.fmt.parse(self._text)
-        if not parsed.tool_calls and self._calls:  # malformed after all: the rest is text
-            self._fallen_back = True
+        s = self.fmt.scan(self._text, final=True)
+        if not _well_formed(s):  # no calls, or malformed after all: the rest is text
             return self._text[self._content_sent :], []
-        if not parsed.tool_calls:
-            return self._text[self._content_sent :], []
-        return self._diff(self.fmt.scan(self._text, final=True))
+        return self._diff(s)
 
     @property
     def called(self) -> bool:
@@ -141,6 +134,15 @@ class ToolCallStream:
                 out.append({"index": i, "function": {"arguments": args[sent:]}})
                 self._calls[i] = (call_id, len(args))
         return content, out
+
+
+def _well_formed(s: Scan) -> bool:
+    """Whether a finished text's scan holds calls, each complete with a JSON object."""
+    return (
+        not s.malformed
+        and bool(s.calls)
+        and all(c.complete and _is_object(c.arguments) for c in s.calls)
+    )
 
 
 def _is_object(text: str) -> bool:
