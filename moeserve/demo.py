@@ -7,10 +7,11 @@ speaks nonsense, but every code path of a real checkpoint is exercised: MLA with
 yarn rope, one dense layer then MoE layers with grouped sigmoid routing, a shared expert, a
 score-correction bias, and a next-token-prediction (MTP) layer. Same bytes on every call.
 
-The tokenizer is a byte-level BPE (vocab 512) trained with ``tokenizers`` on
-``data/demo_corpus.txt``; the result ships as ``data/demo_tokenizer.json`` so nothing is
-trained at run time. ``train_demo_tokenizer()`` regenerates it (``python -m moeserve.demo``);
-a test checks that regenerating gives the shipped file byte for byte.
+The tokenizer is a byte-level BPE trained with ``tokenizers`` on ``data/demo_corpus.txt``,
+with DeepSeek-V3's tool-call and R1's thinking tokens added (512 ids in all). The result
+ships as ``data/demo_tokenizer.json`` so nothing is trained at run time;
+``train_demo_tokenizer()`` regenerates it (``python -m moeserve.demo``), and a test checks
+that regenerating gives the shipped file byte for byte.
 """
 
 from __future__ import annotations
@@ -25,13 +26,28 @@ from pathlib import Path
 DATA_DIR = Path(__file__).parent / "data"
 CORPUS_PATH = DATA_DIR / "demo_corpus.txt"
 TOKENIZER_PATH = DATA_DIR / "demo_tokenizer.json"
-DEMO_NAME = "demo-model-v3"  # bump when the written bytes change, so caches are rebuilt
+DEMO_NAME = "demo-model-v4"  # bump when the written bytes change, so caches are rebuilt
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT)  # ids 0..3, in this order
+# DeepSeek-V3's tool-call tokens and R1's thinking tokens: added tokens that decode as text
+# ("special": false, as in DeepSeek's tokenizer.json), the last ids of the vocabulary
+MARKER_TOKENS = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    "<think>",
+    "</think>",
+)
 VOCAB_SIZE = 512
 SEED = 1234
 INIT_STD = 0.1  # matrices; above the usual 0.02 so greedy output does not repeat one token
@@ -39,8 +55,8 @@ HEAD_STD = 0.5  # output heads: peaky logits, so greedy parity tests have clear 
 BIAS_STD = 0.05  # e_score_correction_bias: small but large enough to change routing
 
 # DeepSeek-V3's template with its tool calls (the format of vLLM's tool_chat_template_deepseekv3
-# and of --tool-call-parser deepseek_v3) and R1's thinking switch. The markers are written as
-# text: the demo tokenizer has only the four special tokens above. ``tools`` go into the
+# and of --tool-call-parser deepseek_v3) and R1's thinking switch. Each marker is one token
+# of the demo tokenizer (MARKER_TOKENS), as in DeepSeek's. ``tools`` go into the
 # system prompt; ``thinking=true`` (chat_template_kwargs) opens a <think> section after the
 # assistant tag. A conversation of system, user and assistant turns without tools renders
 # as the template of demo-model-v2 did.
@@ -163,13 +179,21 @@ def train_demo_tokenizer(corpus_path: Path = CORPUS_PATH) -> str:
 
     Deterministic: the same corpus gives the same string in any process.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=VOCAB_SIZE - len(MARKER_TOKENS),
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -177,6 +201,7 @@ def train_demo_tokenizer(corpus_path: Path = CORPUS_PATH) -> str:
     )
     lines = corpus_path.read_text(encoding="utf-8").splitlines(keepends=True)
     tok.train_from_iterator(lines, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
     # What transformers builds for add_bos_token=True, so the file alone also adds BOS.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, 0)]

@@ -90,6 +90,7 @@ class Tokenizer:
         named = {backend.token_to_id(t) for t in self._special_tokens.values()}
         added = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         self._special_ids = frozenset(i for i in named | added if i is not None)
+        self._added = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -201,6 +202,11 @@ class Tokenizer:
         """The backend as ``tokenizer.json`` text, added tokens included (what
         llguidance reads: ``moeserve/grammar/tokenizer.py``)."""
         return self._backend.to_str()
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token whose text is ``text`` (DeepSeek's ``<｜tool▁sep｜>``,
+        R1's ``</think>``), or None when ``text`` is not one."""
+        return self._added.get(text)
 
     @property
     def all_special_ids(self) -> frozenset[int]:

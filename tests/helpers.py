@@ -16,6 +16,30 @@ def copy_demo_tokenizer(dst_dir: str | Path) -> Path:
     return write_demo_tokenizer(dst_dir)
 
 
+def demo_tokenizer_variant(
+    dst_dir: str | Path, drop: tuple[str, ...] = (), add: tuple[str, ...] = ()
+):
+    """The demo tokenizer written to ``dst_dir`` and loaded, with the added tokens ``drop``
+    removed (their text is then spelled with ordinary tokens) and ``add`` appended as added
+    tokens that decode as text (Qwen3's ``<tool_call>``, say). The BPE part is unchanged."""
+    import json
+
+    from moeserve.tokenizer import Tokenizer
+
+    d = copy_demo_tokenizer(dst_dir)
+    spec = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    added = [t for t in spec["added_tokens"] if t["content"] not in drop]
+    next_id = max(t["id"] for t in spec["added_tokens"]) + 1
+    for i, text in enumerate(add):
+        added.append(
+            {"id": next_id + i, "content": text, "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": False}
+        )  # fmt: skip
+    spec["added_tokens"] = added
+    (d / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    return Tokenizer.from_dir(d)
+
+
 def max_logprob_gap(got, want) -> float:
     """The largest |difference| of the prompt tokens' log-probabilities between two lists of
     outputs of the same prompts (``prompt_logprobs=0``; the first position has none)."""

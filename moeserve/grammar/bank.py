@@ -18,8 +18,10 @@ rolls them back, so a rejected draft leaves nothing behind::
               forward pass) -> logits
     drafts    catch up -> bitmask_NW for [last token, after d_1, ..., after d_k] -> logits
 
-A grammar that is complete allows only EOS, so the sequence finishes with "stop"; a
-request without a tokenizer cannot be constrained (ValueError naming why).
+A thinking budget is a count beside the matcher (``budget.py``): a row whose section is
+full allows only ``</think>``, where its grammar allows it (not inside a UTF-8 character).
+A grammar that is complete allows only EOS, so the sequence finishes with "stop"; a request
+without a tokenizer cannot be constrained (ValueError naming why).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import torch
 
 from moeserve.core import Sequence
 from moeserve.grammar.bitmask import apply_bitmask
-from moeserve.grammar.compile import compile_for
+from moeserve.grammar.budget import ThinkingCount
+from moeserve.grammar.compile import compile_for, think_tokens
 from moeserve.guided import GuidedDecodingParams
 from moeserve.tokenizer import Tokenizer
 
@@ -44,20 +47,36 @@ logger = logging.getLogger(__name__)
 class PendingMask:
     """The masks of one step's sampled rows, being computed (:meth:`GrammarBank.start`)."""
 
-    def __init__(self, rows: list[int], mask_RW: torch.Tensor, done: Future | None) -> None:
-        self.rows, self.mask_RW, self._done = rows, mask_RW, done
+    def __init__(
+        self,
+        rows: list[int],
+        mask_RW: torch.Tensor,
+        done: Future | None,
+        forced: SequenceABC[tuple[int, int]] = (),
+    ) -> None:
+        self.rows, self.mask_RW, self._done, self._forced = rows, mask_RW, done, forced
 
     def apply(self, logits_BV: torch.Tensor) -> None:
         """Wait for the masks, then hold the rows of ``logits_BV`` to them, in place."""
         if self._done is not None:
             self._done.result()
+        _force(self.mask_RW, self._forced)
         _apply(logits_BV, self.rows, self.mask_RW)
 
 
 class _State:
-    def __init__(self, matcher: llg.LLMatcher) -> None:
+    def __init__(self, matcher: llg.LLMatcher, count: ThinkingCount | None) -> None:
         self.matcher = matcher
+        self.count = count  # the thinking budget's, when the request has one
         self.consumed = 0  # output tokens the matcher has taken
+
+    def forced(self) -> int | None:
+        return self.count.forced() if self.count is not None else None
+
+    def forced_after_drafts(self, drafts: list[int]) -> list[int | None]:
+        if self.count is None:
+            return [None] * (len(drafts) + 1)
+        return self.count.forced_after_drafts(drafts)
 
 
 class GrammarBank:
@@ -89,14 +108,16 @@ class GrammarBank:
         if not rows:
             return None
         mask_RW = _all_allowed(len(rows), vocab)
-        matchers = [(self._state(seqs[b], vocab).matcher, i) for i, b in enumerate(rows)]
+        states = [self._state(seqs[b], vocab) for b in rows]
+        matchers = [(state.matcher, i) for i, state in enumerate(states)]
+        forced = [(i, t) for i, state in enumerate(states) if (t := state.forced()) is not None]
         if not background:
             _fill(self._exec(), matchers, mask_RW)
-            return PendingMask(rows, mask_RW, None)
+            return PendingMask(rows, mask_RW, None, forced)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         done = self._thread.submit(_fill, self._exec(), matchers, mask_RW)
-        return PendingMask(rows, mask_RW, done)
+        return PendingMask(rows, mask_RW, done, forced)
 
     def mask(self, logits_BV: torch.Tensor, seqs: SequenceABC[Sequence]) -> None:
         """Hold each constrained row of ``logits_BV`` (row ``b`` for ``seqs[b]``) to its
@@ -124,18 +145,22 @@ class GrammarBank:
         V = logits_NV.shape[1]
         rows = [first[i] + j for i in todo for j in range(len(drafts[i]) + 1)]
         mask_NW = _all_allowed(len(rows), V)
-        with_drafts, without, at = [], [], 0
+        with_drafts, without, forced, at = [], [], [], 0
         for i in todo:
-            matcher = self._state(seqs[i], V).matcher
+            state = self._state(seqs[i], V)
             if drafts[i]:
-                with_drafts.append((matcher, at, list(drafts[i])))
+                with_drafts.append((state.matcher, at, list(drafts[i])))
             else:
-                without.append((matcher, at))
+                without.append((state.matcher, at))
+            for j, t in enumerate(state.forced_after_drafts(list(drafts[i]))):
+                if t is not None:
+                    forced.append((at + j, t))
             at += len(drafts[i]) + 1
         if with_drafts:
             _fill(self._exec(), with_drafts, mask_NW, drafts=True)
         if without:
             _fill(self._exec(), without, mask_NW)
+        _force(mask_NW, forced)
         _apply(logits_NV, rows, mask_NW)
 
     def _exec(self) -> llg.LLExecutor:
@@ -147,11 +172,18 @@ class GrammarBank:
         """``seq``'s matcher, caught up with its outputs (made at its first use)."""
         state = self._states.get(seq)
         if state is None:
-            tok, grammar = compile_for(seq.params.guided_decoding, self.tokenizer, vocab)
-            state = self._states[seq] = _State(llg.LLMatcher(tok, grammar))
+            params = seq.params.guided_decoding
+            tok, grammar = compile_for(params, self.tokenizer, vocab)
+            count = None
+            if params.thinking and params.thinking_budget is not None:
+                start, end = think_tokens(self.tokenizer, tok)  # compile_for checked them
+                count = ThinkingCount.of(params.thinking, params.thinking_budget, start, end)
+            state = self._states[seq] = _State(llg.LLMatcher(tok, grammar), count)
         new = seq.output_token_ids[state.consumed :]
         if new:
             state.consumed += len(new)
+            if state.count is not None:
+                state.count.feed(new)
             if not state.matcher.is_error() and not state.matcher.consume_tokens(new):
                 # the outputs broke the grammar (not through a mask of ours): end the
                 # sequence at once (the matcher then allows only EOS)
@@ -172,6 +204,16 @@ def _apply(logits_NV: torch.Tensor, rows: list[int], mask_RW: torch.Tensor) -> N
     part = logits_NV.index_select(0, index)
     apply_bitmask(part, mask_RW.to(part.device))
     logits_NV.index_copy_(0, index, part)
+
+
+def _force(mask_RW: torch.Tensor, forced: SequenceABC[tuple[int, int]]) -> None:
+    """Rows ``r`` of ``(r, token)`` allow only ``token``, where their mask allows it (else
+    the row stays: text inside a UTF-8 character, or a matcher that left its grammar)."""
+    for r, t in forced:
+        word, bit = divmod(t, 32)
+        if (int(mask_RW[r, word]) >> bit) & 1:
+            mask_RW[r].zero_()
+            mask_RW[r, word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 bits
 
 
 def _all_allowed(rows: int, vocab: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ the sampling to calls, and reads the answer's calls.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from moeserve.serving.state import (
     start_all,
     stream_when_started,
 )
-from moeserve.serving.structured import check_compiles, guided_params
+from moeserve.serving.structured import after_thinking, check_compiles, guided_params
 from moeserve.serving.tool_parsers import ToolFormat
 from moeserve.serving.tools import plan_tools
 
@@ -60,7 +59,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_accepting()
     model = state.model_name(req.model)
     check_unsupported(req)
-    tools = plan_tools(req, state.tool_call_parser, state.enable_auto_tool_choice)
+    tools = await asyncio.to_thread(
+        plan_tools, req, state.tool_call_parser, state.enable_auto_tool_choice, state.tokenizer
+    )
     guided = await asyncio.to_thread(guided_params, req, state.tokenizer)  # compiles: off the loop
     if tools.guided is not None:
         if guided is not None:
@@ -87,11 +88,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     request_id = new_id("chatcmpl")
     tail = ""
+    budget = req.thinking_token_budget
     if state.reasoning_parser is not None:
         tail = state.tokenizer.decode(ids[-16:], skip_special_tokens=False)
-        if guided is not None:  # the grammar holds the answer after the thinking section
-            thinking = thinking_mode(state.reasoning_parser, tail)
-            guided = dataclasses.replace(guided, thinking=thinking)
+        # the grammar holds the answer after the thinking section, and the section's length
+        guided = after_thinking(guided, thinking_mode(state.reasoning_parser, tail), budget)
+        if budget is not None and guided is not None:
+            field = "thinking_token_budget"
+            await asyncio.to_thread(check_compiles, guided, state.tokenizer, field)
+    elif budget is not None:
+        raise bad_request(
+            "thinking_token_budget needs the server started with --reasoning-parser",
+            "thinking_token_budget",
+        )
     params, options = build_params(req, state.defaults, max_tokens, logprobs=top_n, guided=guided)
     g = Generation.create(request_id, ids, params, options, state.tokenizer)
     reading = _Reading(state.reasoning_parser, tail, tools.fmt)

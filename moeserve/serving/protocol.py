@@ -181,6 +181,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = Field(None, ge=0)  # vLLM's: tokens of thinking at most
 
 
 class TopLogprob(_Model):

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeserve.guided import THINK_END as END
+from moeserve.guided import THINK_START as START
 from moeserve.text_tracker import partial_tag
 
 PARSERS = ("deepseek_r1", "qwen3")
-START, END = "<think>", "</think>"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ before the request reaches the engine (which compiles it again, from a cache).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from moeserve.grammar.compile import compile_for
@@ -43,6 +44,22 @@ def guided_params(
     params = _params(req, field)
     check_compiles(params, tokenizer, field)
     return params
+
+
+def after_thinking(
+    guided: GuidedDecodingParams | None, mode: str, budget: int | None
+) -> GuidedDecodingParams | None:
+    """``guided`` held after a reasoning model's thinking section (``mode``: inside or
+    optional, see ``reasoning.thinking_mode``; "" when the prompt has none) of at most
+    ``budget`` tokens (``thinking_token_budget``): a budget alone holds only the section,
+    the answer is free. No section: ``guided`` as it is (a budget caps nothing)."""
+    if not mode:
+        return guided
+    if guided is None:
+        if budget is None:
+            return None
+        guided = GuidedDecodingParams(free_text=True)
+    return dataclasses.replace(guided, thinking=mode, thinking_budget=budget)
 
 
 def check_compiles(params: GuidedDecodingParams, tokenizer: Tokenizer | None, field: str) -> None:

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeserve.grammar.markers import marker_tokens
+from moeserve.grammar.tokenizer import ll_tokenizer
 from moeserve.guided import GuidedDecodingParams
 from moeserve.serving.errors import bad_request
 from moeserve.serving.protocol import ChatCompletionRequest
 from moeserve.serving.tool_parsers import ToolFormat, tool_format
-from moeserve.serving.tool_parsers.grammar import tool_call_grammar, tool_functions
+from moeserve.serving.tool_parsers.grammar import MARKERS, tool_call_grammar, tool_functions
+from moeserve.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -34,9 +37,16 @@ class ToolPlan:
     guided: GuidedDecodingParams | None = None
 
 
-def plan_tools(req: ChatCompletionRequest, parser: str | None, auto_tool_choice: bool) -> ToolPlan:
+def plan_tools(
+    req: ChatCompletionRequest,
+    parser: str | None,
+    auto_tool_choice: bool,
+    tokenizer: Tokenizer | None = None,
+) -> ToolPlan:
     """The request's plan; 400 naming the field for tools that are malformed, a choice
-    this server was not started for, or a named function that is not among the tools."""
+    this server was not started for, or a named function that is not among the tools.
+    ``tokenizer``: the model's, whose one-token markers the grammar names as tokens (the
+    first call builds llguidance's view of it: call off the event loop)."""
     if not req.tools:
         if req.tool_choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -63,7 +73,11 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None, auto_tool_choice:
                 "tool_choice",
             )
         return ToolPlan(tools=req.tools, fmt=tool_format(parser))
-    lark = tool_call_grammar(parser, functions, parallel=req.parallel_tool_calls)
+    tokens = {}
+    if tokenizer is not None:
+        ll_tok = ll_tokenizer(tokenizer, tokenizer.vocab_size)
+        tokens = marker_tokens(tokenizer, ll_tok, MARKERS[parser])
+    lark = tool_call_grammar(parser, functions, req.parallel_tool_calls, tokens)
     return ToolPlan(req.tools, tool_format(parser), GuidedDecodingParams(grammar=lark))
 
 

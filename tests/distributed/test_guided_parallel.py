@@ -1,6 +1,7 @@
-"""Structured output under parallel layouts: the replica leader holds the matchers and
-masks before it samples, so greedy constrained outputs are those of one process, with and
-without MTP drafts (the requests' grammars cross to every rank in the step messages)."""
+"""Structured output under parallel layouts: the replica leader holds the matchers (and
+thinking budgets' counts) and masks before it samples, so greedy constrained outputs are
+those of one process, with and without MTP drafts (the requests' grammars cross to every
+rank in the step messages)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ LAYOUTS = {
     "ep2-dp2": dict(data_parallel_size=2, enable_expert_parallel=True),
     "ep2-tp2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
 }
-KINDS = ["json", "regex", "free", "json", "regex", "json"]
+KINDS = ["json", "regex", "free", "think", "regex", "json"]
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,7 @@ def test_a_grammar_cut_by_max_tokens_ends_with_length(client, model):
             },
             "response_format",
         ),  # fmt: skip
+        ({"thinking_token_budget": 8}, "thinking_token_budget"),  # no --reasoning-parser
     ],
 )
 def test_bad_structured_output_is_a_400_naming_the_field(client, model, body, field):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from moeserve import LLM, SamplingParams
+from moeserve.demo import DEMO_NAME
 
 
 def _run(*args: str, cache) -> subprocess.CompletedProcess:
@@ -27,9 +28,9 @@ def test_generate_streams_with_the_demo_model(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "[12 tokens, finish_reason=length]" in r.stderr
-    assert (tmp_path / "demo-model-v3" / "config.json").is_file()  # created once, cached
+    assert (tmp_path / DEMO_NAME / "config.json").is_file()  # created once, cached
     # greedy CLI output equals the offline API's text for the same prompt
-    llm = LLM(model=str(tmp_path / "demo-model-v3"), progress=False)
+    llm = LLM(model=str(tmp_path / DEMO_NAME), progress=False)
     text = (
         llm.generate("Hello there", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
             0

@@ -12,8 +12,9 @@ delta and sends only what is new, so no format needs its own incremental code::
                           more argument text -> delta.tool_calls[{index, function:
                                                 {arguments: fragment}}]
 
-At the end (:meth:`ToolCallStream.finish`) a call that never completed, or arguments that
-are not a JSON object, make the text plain content (what the stream had not sent yet).
+Content that is only whitespace waits: before a call it is no content at all. At the end
+(:meth:`ToolCallStream.finish`) a call that never completed, or arguments that are not a
+JSON object, make the text plain content (what the stream had not sent yet).
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ class ToolFormat:
         if not _well_formed(s):
             return ParsedMessage(text or None, [])
         calls = [ToolCall(c.name, c.arguments.strip()) for c in s.calls]
-        return ParsedMessage(s.content.strip() or None, calls)
+        # the text before the calls, unless it is only whitespace (R1's "\n\n" after its
+        # thinking section): what the stream sends too
+        return ParsedMessage(s.content if s.content.strip() else None, calls)
 
 
 class ToolCallStream:
@@ -116,7 +119,8 @@ class ToolCallStream:
                 return rest, []
             return "", []
         content = ""
-        if not self._calls and len(s.content) > self._content_sent:
+        # whitespace alone waits: before a call it is no content (as in parse)
+        if not self._calls and len(s.content) > self._content_sent and s.content.strip():
             content = s.content[self._content_sent :]
             self._content_sent = len(s.content)
         out = []

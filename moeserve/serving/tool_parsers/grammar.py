@@ -14,15 +14,17 @@ arguments::
 
     args_f: %json {f's parameters}
 
-One call only without ``parallel_tool_calls``. The markers are written as text: a tokenizer
-that has them as special tokens (DeepSeek's own) needs them named as tokens instead (not
-done yet).
+One call only without ``parallel_tool_calls``. A marker the tokenizer has as one token
+(DeepSeek's ``<｜tool▁sep｜>`` and the rest, Qwen3's ``<tool_call>``) is that token
+(``<[id]>``, ``moeserve/grammar/markers.py``), else text.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
+from moeserve.grammar.markers import lark_text
 from moeserve.serving.tool_parsers.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 from moeserve.serving.tool_parsers.hermes import CLOSE, OPEN
 
@@ -50,11 +52,31 @@ def tool_functions(tools: list[dict], only: str | None = None) -> list[tuple[str
     return out
 
 
-def tool_call_grammar(parser: str, functions: list[tuple[str, dict]], parallel: bool = True) -> str:
+MARKERS = {
+    "hermes": (OPEN, CLOSE),
+    "deepseek_v3": (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP),
+    "deepseek_v31": (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP),
+}  # what each format's grammar writes as a token where the tokenizer has one
+
+
+def tool_call_grammar(
+    parser: str,
+    functions: list[tuple[str, dict]],
+    parallel: bool = True,
+    tokens: Mapping[str, int] | None = None,
+) -> str:
     """The Lark grammar of calls to ``functions`` in ``parser``'s format (see the module's
-    doc). Raises ValueError for an unknown parser or no function."""
+    doc); ``tokens``: the markers the tokenizer has as one token, with their ids. Raises
+    ValueError for an unknown parser or no function."""
     if not functions:
         raise ValueError("no function to call")
+    if parser not in MARKERS:
+        raise ValueError(f"no tool-call grammar for parser {parser!r}")
+    tokens = tokens or {}
+
+    def _lit(text: str) -> str:
+        return lark_text(text, tokens)
+
     rules, calls = [], []
     for i, (name, params) in enumerate(functions):
         args = f"args_{i}"
@@ -65,10 +87,8 @@ def tool_call_grammar(parser: str, functions: list[tuple[str, dict]], parallel: 
         elif parser == "deepseek_v3":
             head = f"{CALL_BEGIN}function{SEP}{name}\n```json\n"
             body = f"{_lit(head)} {args} {_lit(chr(10) + '```' + CALL_END)}"
-        elif parser == "deepseek_v31":
+        else:  # deepseek_v31
             body = f"{_lit(CALL_BEGIN + name + SEP)} {args} {_lit(CALL_END)}"
-        else:
-            raise ValueError(f"no tool-call grammar for parser {parser!r}")
         calls.append(f"call_{i}: {body}")
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))
     if parser == "hermes":
@@ -77,8 +97,3 @@ def tool_call_grammar(parser: str, functions: list[tuple[str, dict]], parallel: 
         many = 'call ("\\n" call)*' if parallel else "call"
         start = f"start: {_lit(CALLS_BEGIN)} {many} {_lit(CALLS_END)}"
     return "\n".join([start, call, *calls, *rules]) + "\n"
-
-
-def _lit(text: str) -> str:
-    """``text`` as a Lark string literal (JSON's escapes)."""
-    return json.dumps(text, ensure_ascii=False)

@@ -204,26 +204,3 @@ def test_the_engine_refuses_a_bad_grammar_when_it_is_added():
     with pytest.raises(GrammarError, match="invalid regex"):
         llm.generate(["hi"], SamplingParams(max_tokens=4, guided_decoding={"regex": "[a-"}))
     assert not llm.engine.has_unfinished_requests()
-
-
-@pytest.mark.parametrize(
-    "thinking, text, ok",
-    [
-        ("inside", 'hm\nok</think>\n\n{"a":1}', True),
-        ("inside", '{"a":1}', False),  # the section must end first
-        ("inside", 'x</think>{"a":"b"}', False),  # what follows is held to the schema
-        ("optional", '{"a":1}', True),
-        ("optional", '<think>\nhm\n</think>\n\n{"a":2}', True),
-        ("optional", 'hm</think>{"a":1}', False),
-        ("", '{"a":1}', True),
-    ],
-)
-def test_the_answer_after_a_thinking_section(tok, thinking, text, ok):
-    import llguidance as llg
-
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    lt = ll_tokenizer(tok, V)
-    m = llg.LLMatcher(lt, check(GuidedDecodingParams(json=schema, thinking=thinking), lt))
-    assert (m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()) == ok
-    with pytest.raises(ValueError, match="thinking must be"):
-        GuidedDecodingParams(regex="a", thinking="maybe")

@@ -37,9 +37,17 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
+BUDGET = 5
+SPECS = {
+    "json": {"json": SCHEMA},
+    "regex": {"regex": REGEX},
+    # a thinking section of at most BUDGET tokens, then the regex
+    "think": {"regex": REGEX, "thinking": "inside", "thinking_budget": BUDGET},
+}
+
+
 def guided(kind: str, **kw) -> SamplingParams:
-    spec = {"json": SCHEMA} if kind == "json" else {"regex": REGEX}
-    return SamplingParams(max_tokens=60, temperature=0, guided_decoding=spec, **kw)
+    return SamplingParams(max_tokens=60, temperature=0, guided_decoding=SPECS[kind], **kw)
 
 
 FREE = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -57,6 +65,11 @@ def check_outputs(outs, kinds) -> None:
             )
         elif kind == "regex":
             assert c.finish_reason == "stop" and re.fullmatch(REGEX, c.text), c.text
+        elif kind == "think":  # (a section of BUDGET tokens, and those that end a character)
+            assert c.finish_reason == "stop" and c.text.count("</think>") == 1, c.text
+            assert 511 in c.token_ids[: BUDGET + 4], c.token_ids  # the demo's "</think>"
+            answer = c.text.split("</think>")[1].lstrip(" \t\n")
+            assert re.fullmatch(REGEX, answer), c.text
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +129,18 @@ def test_min_tokens_yields_to_a_complete_grammar(ckpt):
     )
     (out,) = llm.generate(prompts(1, 3), params)
     assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+
+
+def test_a_thinking_budget_under_mtp_drafts(ckpt):
+    """The budget's ``</think>`` comes after at most that many tokens (and the few that
+    finish a UTF-8 character: this model writes byte tokens), the answer after it is held,
+    and MTP drafts (checked against the grammar and the count) leave the greedy outputs as
+    they are."""
+    ps, params = prompts(4, 5), guided("think")
+    llm = LLM(str(ckpt), **ENGINE)
+    assert llm.get_tokenizer().added_token_id("</think>") == 511
+    want = llm.generate(ps, params)
+    check_outputs(want, ["think"] * 4)
+    mtp = LLM(str(ckpt), speculative_num_tokens=2, **ENGINE)
+    got = mtp.generate(ps, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

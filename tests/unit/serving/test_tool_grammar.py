@@ -1,6 +1,8 @@
 """The grammar behind ``tool_choice`` required / named (``tool_parsers/grammar.py``): what
 it admits is what the parser reads, arguments outside a function's schema are refused, and
-random logits held to it always give calls that parse and validate."""
+random logits held to it always give calls that parse and validate. On three tokenizers:
+the demo's (DeepSeek's markers are tokens, as in DeepSeek's own), one with Qwen3's
+``<tool_call>`` tokens too, and one that spells every marker."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import pytest
 import torch
 
 from moeserve.core import SamplingParams, Sequence
-from moeserve.demo import demo_model_path
+from moeserve.demo import MARKER_TOKENS, demo_model_path
 from moeserve.grammar.bank import GrammarBank
+from moeserve.grammar.markers import marker_tokens
 from moeserve.grammar.tokenizer import ll_tokenizer
 from moeserve.serving.tool_parsers import tool_format
-from moeserve.serving.tool_parsers.grammar import tool_call_grammar, tool_functions
+from moeserve.serving.tool_parsers.grammar import MARKERS, tool_call_grammar, tool_functions
 from moeserve.tokenizer import Tokenizer
+from tests.helpers import demo_tokenizer_variant
 from tests.unit.serving.test_tool_parsers import QWEN_TWO, V3_TWO, V31_ONE
 
 WEATHER = {
@@ -34,17 +38,37 @@ TOOLS = [
 ]  # fmt: skip
 
 
+VARIANTS = ["demo", "qwen", "spelled"]
+
+
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_dir(demo_model_path())
+def tokenizers(tmp_path_factory) -> dict[str, Tokenizer]:
+    root = tmp_path_factory.mktemp("tok")
+    return {
+        "demo": Tokenizer.from_dir(demo_model_path()),
+        "qwen": demo_tokenizer_variant(root / "q", add=("<tool_call>", "</tool_call>")),
+        "spelled": demo_tokenizer_variant(root / "s", drop=MARKER_TOKENS),
+    }
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizers):
+    return tokenizers["demo"]
+
+
+def grammar(tok, parser, fns, parallel=True) -> str:
+    """The grammar as the server builds it for ``tok``: its one-token markers as tokens."""
+    tokens = marker_tokens(tok, ll_tokenizer(tok, 520), MARKERS[parser])
+    return tool_call_grammar(parser, fns, parallel, tokens)
 
 
 def accepts(tok, lark: str, text: str) -> bool:
-    lt = ll_tokenizer(tok, 512)
+    lt = ll_tokenizer(tok, 520)
     m = llg.LLMatcher(lt, llg.LLMatcher.grammar_from_lark(lark))
     return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     "parser, text",
     [
@@ -53,16 +77,20 @@ def accepts(tok, lark: str, text: str) -> bool:
         ("deepseek_v31", V31_ONE),
     ],
 )
-def test_recorded_calls_are_in_the_grammar(tok, parser, text):
-    fns = tool_functions(TOOLS)
-    assert accepts(tok, tool_call_grammar(parser, fns), text)
+def test_recorded_calls_are_in_the_grammar(tokenizers, variant, parser, text):
+    tok, fns = tokenizers[variant], tool_functions(TOOLS)
+    assert accepts(tok, grammar(tok, parser, fns), text)
     assert tool_format(parser).parse(text).tool_calls
     if text.count("<tool_call>") + text.count("<｜tool▁call▁begin｜>") > 1:
-        assert not accepts(tok, tool_call_grammar(parser, fns, parallel=False), text)
+        assert not accepts(tok, grammar(tok, parser, fns, parallel=False), text)
+    if marker_tokens(tok, ll_tokenizer(tok, 520), MARKERS[parser]):
+        # why markers are named as tokens: llguidance never matches a token like these
+        # with a string literal, so a grammar writing them as text refuses the model's calls
+        assert not accepts(tok, tool_call_grammar(parser, fns), text)
 
 
 def test_arguments_outside_the_schema_and_other_functions_are_refused(tok):
-    lark = tool_call_grammar("hermes", tool_functions(TOOLS, only="get_weather"))
+    lark = grammar(tok, "hermes", tool_functions(TOOLS, only="get_weather"))
     args = '{"city":"Oslo","unit":"c"}'
     good = f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
     assert accepts(tok, lark, good)
@@ -70,16 +98,19 @@ def test_arguments_outside_the_schema_and_other_functions_are_refused(tok):
     assert not accepts(tok, lark, good.replace("get_weather", "get_time"))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("parser", ["hermes", "deepseek_v3", "deepseek_v31"])
-def test_random_logits_held_to_it_always_give_valid_calls(tok, parser):
+def test_random_logits_held_to_it_always_give_valid_calls(tokenizers, variant, parser):
     # one call: random logits would rarely stop adding parallel ones
-    fmt, lark = tool_format(parser), tool_call_grammar(parser, tool_functions(TOOLS), False)
+    tok = tokenizers[variant]
+    fmt, lark = tool_format(parser), grammar(tok, parser, tool_functions(TOOLS), False)
     bank, g = GrammarBank(tok), torch.Generator().manual_seed(0)
     params = SamplingParams(guided_decoding={"grammar": lark})
-    for trial in range(6):
+    markers = set(marker_tokens(tok, ll_tokenizer(tok, 520), MARKERS[parser]).values())
+    for trial in range(3):
         seq = Sequence(f"r{trial}", [1, 2], params, eos_token_ids=tok.eos_token_ids)
         for _ in range(400):
-            logits = torch.randn(1, 512, generator=g) * 3
+            logits = torch.randn(1, 520, generator=g) * 3
             bank.mask(logits, [seq])
             t = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
             if t in tok.eos_token_ids:
@@ -89,6 +120,7 @@ def test_random_logits_held_to_it_always_give_valid_calls(tok, parser):
             pytest.fail("no end within 400 tokens")
         parsed = fmt.parse(tok.decode(seq.output_token_ids))
         assert parsed.tool_calls and parsed.content is None
+        assert markers <= set(seq.output_token_ids)  # a marker the tokenizer has: its token
         for call in parsed.tool_calls:
             args = json.loads(call.arguments)
             if call.name == "get_weather":

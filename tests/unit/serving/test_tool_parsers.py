@@ -38,9 +38,11 @@ WELL_FORMED = [
     (
         "hermes",
         QWEN_TWO,
-        "<think>\nI need tools.\n</think>",
+        "<think>\nI need tools.\n</think>\n\n",  # the text before the calls, as it is
         [("get_weather", {"city": "Paris"}), ("get_time", {})],
     ),
+    # whitespace alone before the calls (R1 after its thinking section) is no content
+    ("deepseek_v31", "\n\n" + V31_ONE, None, [("search", {"q": 'moe "experts"'})]),
     ("hermes", "just words", "just words", []),
     ("deepseek_v3", "no tools here", "no tools here", []),
 ]
@@ -96,8 +98,8 @@ def test_any_cut_streams_the_same_calls(case, cuts):
     parser, text, content, calls = case
     got_content, got_calls = stream(parser, text, cuts)
     assert [(c["name"], json.loads(c["arguments"])) for c in got_calls] == calls
-    if calls:  # what came before the calls, as the parse has it (whitespace aside)
-        assert got_content.strip() == (content or "")
+    if calls:  # what came before the calls, exactly as the parse has it
+        assert got_content == (content or "")
     else:
         assert got_content == text
 
