@@ -1,17 +1,18 @@
 """Offline throughput: moeserve against transformers on the benchmark model, in one run.
 
-For each weight format (fp32; int8 weight-only quantization; w8a8_int8, the same int8
-weights with each GEMM's rows quantized to int8 per token, run on AMX's int8 products; bf16
-weights with fp32 activations, ``--quantization bf16``, run on AMX): decode tokens/s at
+For each weight format (fp32; int8 weight-only quantization; int4, 4-bit weights with a scale
+per group of columns (int4-gN: groups of N); w8a8_int8, the same int8 weights with each
+GEMM's rows quantized to int8 per token, run on AMX's int8 products; bf16 weights with fp32
+activations, ``--quantization bf16``, run on AMX): decode tokens/s at
 batch 1, 8, 32 and 64 and prefill tokens/s of one 512- and one 2048-token prompt;
 transformers' ``generate`` and forward on the same checkpoint in fp32; the roofline of each
 case (decode: bytes a step reads / the read bandwidth measured here; prefill: FLOPs / the
-GEMM peak measured here, fp32 for fp32 and int8, int8 for w8a8_int8, bf16 for bf16) and
+GEMM peak measured here, fp32 for fp32, int8 and int4, int8 for w8a8_int8, bf16 for bf16) and
 the fraction of it
 reached. Prints a table, writes JSON and a plot of
 tokens/s against batch size with the rooflines drawn in.
 
-    python benchmarks/offline_throughput.py [--formats fp32,int8,w8a8_int8,bf16] [--threads 2]
+    python benchmarks/offline_throughput.py [--formats fp32,int8,int4,w8a8_int8,bf16] [--threads 2]
         [--profile DIR]
     python benchmarks/offline_throughput.py --model DIR --speculative-num-tokens K[,K...] \
         [--formats fp32,int8] [--hot-vocab N | --speculative-token-map FILE]      # MTP
@@ -100,6 +101,16 @@ def time_hf_prefill(model, n: int, vocab: int, repeats: int = 3) -> float:
     return n / best
 
 
+def format_kwargs(fmt: str) -> dict:
+    """``LLM`` keyword arguments of a ``--formats`` entry: fp32, int8, w8a8_int8, bf16, int4
+    (groups of 128) or int4-gN (groups of N)."""
+    if fmt == "fp32":
+        return {}
+    if fmt.startswith("int4-g"):
+        return {"quantization": "int4", "int4_group_size": int(fmt.removeprefix("int4-g"))}
+    return {"quantization": fmt}
+
+
 def run_moeserve(
     args, fmt: str, model_dir: str, vocab: int, probe: MachineProbe
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -108,7 +119,7 @@ def run_moeserve(
     llm = LLM(
         model=model_dir,
         dtype=args.dtype,
-        **({} if fmt == "fp32" else {"quantization": fmt}),
+        **format_kwargs(fmt),
         device=args.device,
         max_num_seqs=max(args.batches),
         max_model_len=max(args.prefill) + 64,
@@ -190,6 +201,7 @@ def plot(path: Path, args, results: dict, roofs: dict) -> None:
     colors = {
         "fp32": "tab:blue",
         "int8": "tab:orange",
+        "int4": "tab:purple",
         "w8a8_int8": "tab:red",
         "bf16": "tab:green",
         "transformers": "tab:gray",
@@ -248,7 +260,7 @@ def run_speculative(args, model_dir: str, vocab: int) -> None:
         llm = LLM(
             model=model_dir,
             dtype=args.dtype,
-            **({} if fmt == "fp32" else {"quantization": fmt}),
+            **format_kwargs(fmt),
             device=args.device,
             max_num_seqs=max(args.batches),
             max_model_len=PROMPT_LEN + args.new_tokens + 8,
@@ -330,9 +342,9 @@ def main() -> None:
     ap.add_argument(
         "--formats",
         default=None,
-        help="weight formats: fp32, int8, w8a8_int8, bf16 (default: all four on a CPU with AMX, "
-        "else fp32 and int8: without AMX bf16 weights are widened per call and w8a8_int8 "
-        "rounds rows in torch)",
+        help="weight formats: fp32, int8, w8a8_int8, bf16, int4 (groups of 128), int4-g32, "
+        "int4-g64 (default: fp32, int8 and int4, and on a CPU with AMX w8a8_int8 and bf16: "
+        "without AMX bf16 weights are widened per call and w8a8_int8 rounds rows in torch)",
     )
     ap.add_argument(
         "--dtype",
@@ -387,7 +399,7 @@ def main() -> None:
         from moeserve.ops.cpu import bf16_amx, int8_amx
 
         cpu = args.device == "cpu"
-        args.formats = "fp32,int8"
+        args.formats = "fp32,int8,int4"
         args.formats += ",w8a8_int8" if cpu and int8_amx.available() else ""
         args.formats += ",bf16" if cpu and bf16_amx.available() else ""
     formats = args.formats.split(",")

@@ -1,4 +1,5 @@
-"""Accuracy of the weight formats (int8, w8a8_int8, bf16) against fp32 on the benchmark model.
+"""Accuracy of the weight formats (int8, w8a8_int8, int4, bf16) against fp32 on the benchmark
+model.
 
 Engines on the same checkpoint (``benchmarks/bench_model.py``) see the same random prompts:
 
@@ -9,6 +10,9 @@ Engines on the same checkpoint (``benchmarks/bench_model.py``) see the same rand
                  expected)
     w8a8         ``quantization="w8a8_int8"``: int8's weights, each GEMM's rows rounded to int8
                  per token; against oracle it shows what the activations' rounding adds
+    int4-gN      ``quantization="int4"`` with groups of N columns (32, 64, 128; symmetric, and
+                 ``int4-g128a`` asymmetric); ``int4 oracle`` the fp32 engine on the weights
+                 int4-g128 holds, dequantized (isolates its kernels as oracle does int8's)
     bf16w        ``quantization="bf16"``: bf16 weights, fp32 activations (on AMX the GEMMs
                  round their input rows to bf16)
     bf16 oracle  the fp32 engine with those weights rounded to bf16 in place: bf16w against it
@@ -22,7 +26,15 @@ log-probability of the prompt's token; mean and max absolute difference, and how
 most likely token agrees) and greedy continuations (how many prompts continue identically,
 where the others first diverge). Prints a table and writes JSON (``--out``).
 
+``--outliers`` runs it all on a copy of the checkpoint whose quantized weights look like a
+trained model's rather than Gaussian noise (``outlier_copy``): heavy-tailed values (Student's t
+with 4 degrees of freedom, rescaled to each tensor's standard deviation) and 1% of the input
+channels of every weight scaled by 8, the salient channels LLM.int8() and AWQ describe. A
+per-row scale (int8) then stretches over each row's outlier channels, while a group's scale
+(int4) is stretched only in the groups that hold one.
+
     python benchmarks/quant_accuracy.py [--prompts 8] [--prompt-len 128] [--new-tokens 32]
+        [--outliers] [--int4-groups 32,64,128]
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from bench_model import bench_model_path  # noqa: E402
 
 from moeserve import LLM, SamplingParams  # noqa: E402
 from moeserve.models.weight_format import format_targets  # noqa: E402
+from moeserve.quant.int4 import dequantize_groups, quantize_groups  # noqa: E402
 from moeserve.quant.int8 import quantize_rows  # noqa: E402
 
 
@@ -65,16 +78,45 @@ def evaluate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
 @torch.no_grad()
 def fake_quantize(llm: LLM, fmt: str = "int8") -> None:
     """Replace every weight the format converts by what it holds, in fp32, in place: int8's
-    ``q * scale``, or the weight rounded to bf16."""
+    ``q * scale``, int4's groups of 128 dequantized, or the weight rounded to bf16."""
     model = llm.engine.model
     for module, name in list(format_targets(model)):
         p = getattr(module, name)
         if fmt == "int8":
             q, scale = quantize_rows(p.data)
             p.data.copy_(q.float() * scale.unsqueeze(-1))
+        elif fmt == "int4":
+            p.data.copy_(dequantize_groups(*quantize_groups(p.data, 128)))
         else:
             p.data.copy_(p.data.bfloat16().float())
     model.process_weights_after_loading()  # MLA's absorbed weights from the new kv_b_proj
+
+
+def outlier_copy(src: Path, dst: Path, seed: int = 0) -> Path:
+    """A copy of checkpoint ``src`` whose quantized weights (every 2-D weight but embeddings
+    and routers) are heavy-tailed with outlier input channels (the module's doc)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if (dst / "config.json").is_file():
+        return dst
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    t_dist = torch.distributions.StudentT(4.0)
+    for path in dst.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name, t in tensors.items():
+            if t.dim() != 2 or "embed_tokens" in name or name.endswith("mlp.gate.weight"):
+                continue
+            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+            heavy = t_dist.sample(t.shape)
+            w = heavy * (t.float().std() / heavy.std())
+            channels = torch.randperm(t.shape[1], generator=g)[: max(1, t.shape[1] // 100)]
+            w[:, channels] *= 8
+            tensors[name] = w.to(t.dtype)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return dst
 
 
 def compare(ref: dict, got: dict) -> dict:
@@ -102,9 +144,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 runs")
+    ap.add_argument("--int4-groups", default="32,64,128", help="int4 group sizes to run")
+    ap.add_argument(
+        "--outliers", action="store_true", help="on a copy with outlier weights (module doc)"
+    )
     ap.add_argument("--out", default="quant_accuracy.json")
     args = ap.parse_args()
     model = args.model or str(bench_model_path())
+    if args.outliers:
+        model = str(
+            outlier_copy(Path(model), Path(model).parent / (Path(model).name + "-outliers"))
+        )
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(args.seed)
     prompts = [
@@ -136,6 +186,24 @@ def main() -> None:
         LLM(dtype="float32", quantization="w8a8_int8", **engine), prompts, args.new_tokens
     )
     gc.collect()
+    groups = [int(x) for x in args.int4_groups.split(",") if x]
+    for G in groups:
+        kw = dict(quantization="int4", int4_group_size=G)
+        runs[f"int4-g{G}"] = evaluate(
+            LLM(dtype="float32", **kw, **engine), prompts, args.new_tokens
+        )
+        gc.collect()
+    if 128 in groups:
+        kw = dict(quantization="int4", int4_group_size=128, int4_symmetric=False)
+        runs["int4-g128a"] = evaluate(
+            LLM(dtype="float32", **kw, **engine), prompts, args.new_tokens
+        )
+        gc.collect()
+        llm = LLM(dtype="float32", **engine)
+        fake_quantize(llm, "int4")
+        runs["int4 oracle"] = evaluate(llm, prompts, args.new_tokens)
+        del llm
+        gc.collect()
     if not args.no_bf16:
         runs["bf16w"] = evaluate(
             LLM(dtype="float32", quantization="bf16", **engine), prompts, args.new_tokens
@@ -153,6 +221,10 @@ def main() -> None:
         "w8a8 vs fp32": compare(runs["fp32"], runs["w8a8"]),
         "w8a8 vs oracle": compare(runs["oracle"], runs["w8a8"]),
     }
+    for name in [n for n in runs if n.startswith("int4-")]:
+        cases[f"{name} vs fp32"] = compare(runs["fp32"], runs[name])
+    if "int4 oracle" in runs:
+        cases["int4-g128 vs int4 oracle"] = compare(runs["int4 oracle"], runs["int4-g128"])
     if "bf16" in runs:
         cases["bf16w vs fp32"] = compare(runs["fp32"], runs["bf16w"])
         cases["bf16w vs bf16 oracle"] = compare(runs["bf16 oracle"], runs["bf16w"])

@@ -16,7 +16,8 @@ import torch
 
 from moeserve.ops import formats
 
-# bytes read by decode per weight element, per output row (int8's fp32 scale) and per element
+# bytes read by decode per weight element (int4: with its scale and zero point per group of
+# 128), per output row (int8's fp32 scale) and per element
 # of the absorbed MLA weights (derived from kv_b_proj), as each weight format states them
 # (ops/formats); the router and norms stay fp32. bf16 also stands for the fp32 format held in
 # bf16 (GPUs).
@@ -26,8 +27,11 @@ FORMATS = {
         scale=f.scale_bytes_per_row,
         kv_b=f.absorbed_bytes,
     )
-    for name in ("fp32", "int8", "w8a8_int8", "bf16")
+    for name in ("fp32", "int8", "w8a8_int8", "int4", "bf16")
 }
+for _g in (32, 64, 128):  # int4 by group size: offline_throughput's int4-gN
+    _f = formats.configured("int4", _g)
+    FORMATS[f"int4-g{_g}"] = dict(linear=_f.bytes_per_weight, scale=0.0, kv_b=_f.absorbed_bytes)
 
 
 @dataclass(frozen=True)

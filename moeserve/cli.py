@@ -33,9 +33,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="none",
         help="int8: weight-only int8 (per-output-channel scales), quantized at load from a "
         "bf16, fp32 or FP8 checkpoint; w8a8_int8: the same weights, and each GEMM rounds its "
-        "input rows to int8 per token (AMX's int8 tiles where the CPU has them); bf16: "
-        "weights held in bf16 (the GEMMs run on AMX where the CPU has it); the tensors between "
-        "ops stay fp32 under all three (default: none)",
+        "input rows to int8 per token (AMX's int8 tiles where the CPU has them); int4: 4-bit "
+        "weights with a scale per group of columns (--int4-group-size), about half of int8's "
+        "bytes; bf16: weights held in bf16 (the GEMMs run on AMX where the CPU has it); the "
+        "tensors between ops stay fp32 under all of them (default: none)",
+    )
+    g.add_argument(
+        "--int4-group-size",
+        type=int,
+        choices=(32, 64, 128),
+        default=None,
+        help="int4: columns sharing one scale (default 128; smaller: closer, more bytes)",
+    )
+    g.add_argument(
+        "--int4-asymmetric",
+        action="store_true",
+        help="int4: a zero point per group too (min/max instead of max |w|), as AWQ and GPTQ",
     )
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP layers")
     g.add_argument("--threads", type=int, default=None, help="intra-op CPU threads per rank")
@@ -207,6 +220,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        int4_group_size=args.int4_group_size,
+        int4_symmetric=not args.int4_asymmetric,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.distributed.parallel_dims import ParallelDims
-from moeserve.ops.formats import normalize_quantization
+from moeserve.ops.formats import check_options, normalize_quantization
 from moeserve.platform import resolve_device, resolve_dtype
 
 
@@ -122,7 +122,10 @@ class EngineConfig:
     speculative_num_tokens: int = 0
     # a file of hot token ids the drafts are proposed from (spec/hot_vocab.py); None: all
     speculative_token_map: str | None = None
-    quantization: str | None = None  # None | "none" | "int8" | "w8a8_int8" | "bf16": at load
+    # None | "none" | "int8" | "w8a8_int8" | "int4" | "bf16": applied at load
+    quantization: str | None = None
+    int4_group_size: int | None = None  # int4: columns per scale (32, 64, 128; default 128)
+    int4_symmetric: bool = True  # int4: zero point 8 (False: a zero point per group)
     num_threads: int | None = None
     seed: int = 0
     progress: bool = True
@@ -185,6 +188,7 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         resolve_dtype(self.dtype, torch.device("cpu"))  # validates the name
         object.__setattr__(self, "quantization", normalize_quantization(self.quantization))
+        check_options(self.quantization, self.int4_group_size, self.int4_symmetric)
         _ = self.parallel_dims  # validates the layout
         _ = self.eplb_options  # validates the EPLB settings
         if (self.enable_eplb or self.num_redundant_experts) and not self.enable_expert_parallel:

@@ -1,6 +1,7 @@
-"""The fp32 oracle of an int8 engine: a copy of a checkpoint whose quantized weights are
-replaced by ``q.float() * scale``, exactly what the int8 engine holds. An fp32 engine on it
-must match the int8 engine up to summation order (~1e-5), a check a broken kernel fails."""
+"""The fp32 oracle of a quantized engine: a copy of a checkpoint whose quantized weights are
+replaced by what the engine holds, dequantized (int8: ``q.float() * scale``; int4: the group
+codes). An fp32 engine on it must match the quantized engine up to summation order (~1e-5),
+a check a broken kernel fails."""
 
 from __future__ import annotations
 
@@ -54,5 +55,23 @@ def write_int8_oracle(src: Path, dst: Path, tp: int = 1) -> Path:
     def convert(name: str, t: torch.Tensor) -> torch.Tensor:
         row_parallel = name.endswith(("o_proj.weight", "down_proj.weight"))
         return fake_quantize(t, tp if row_parallel else 1)
+
+    return write_oracle(src, dst, convert)
+
+
+def write_int4_oracle(
+    src: Path, dst: Path, group_size: int, symmetric: bool = True, tp: int = 1
+) -> Path:
+    """:func:`write_int8_oracle` for ``--quantization int4``: every quantized tensor replaced
+    by its group-wise 4-bit codes dequantized in fp32 (``tp``: row-parallel weights per
+    column shard, each shard's groups inside it)."""
+    from moeserve.quant.int4 import dequantize_groups, quantize_groups
+
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        row_parallel = name.endswith(("o_proj.weight", "down_proj.weight"))
+        parts = t.float().chunk(tp if row_parallel else 1, dim=1)
+        return torch.cat(
+            [dequantize_groups(*quantize_groups(p, group_size, symmetric)) for p in parts], dim=1
+        )
 
     return write_oracle(src, dst, convert)

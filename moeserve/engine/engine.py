@@ -39,7 +39,7 @@ from moeserve.eplb.balancer import ExpertBalancer, run_command
 from moeserve.grammar.bank import GrammarBank
 from moeserve.kvcache.pool import KVCachePool
 from moeserve.models.hf_config import ModelConfig
-from moeserve.models.loader import load_model
+from moeserve.models.loader import checkpoint_quantization, load_model
 from moeserve.ops import formats
 from moeserve.ops.cpu.allocator import keep_freed_memory, release_freed_memory
 from moeserve.ops.cpu.hugepages import move_to_huge_pages
@@ -88,9 +88,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
         # the weight format applied at load (None: the model dtype) and the dtype computed in
-        self.weight_format, self.dtype = formats.resolve(
-            config.quantization, config.dtype, self.device
+        # an AWQ / GPTQ checkpoint is served in int4 whatever was asked
+        quantization = checkpoint_quantization(
+            config.model, config.quantization, config.int4_group_size
         )
+        self.weight_format, self.dtype = formats.resolve(quantization, config.dtype, self.device)
         t0 = time.perf_counter()
         self._load_model()
         # an idle replica must still join the expert all-to-alls of a step
@@ -161,7 +163,9 @@ class LLMEngine:
             progress=config.progress and groups.rank == 0,
             groups=groups,
             moe_options=config.moe_options,
-            weight_format=self.weight_format,
+            weight_format=formats.configured(
+                self.weight_format, config.int4_group_size, config.int4_symmetric
+            ),
         )
         # weights stream through 2 MB pages on a CPU (ops/cpu/hugepages.py)
         self.huge_page_bytes = move_to_huge_pages(self.model) if self.device.type == "cpu" else 0

@@ -41,6 +41,7 @@ def group_terms(config: EngineConfig, spec: LaunchSpec) -> dict:
         "nodes": spec.nnodes,
         "redundant experts": config.num_redundant_experts,
         "quantization": config.quantization or "none",
+        "int4 options": f"group {config.int4_group_size}, symmetric {config.int4_symmetric}",
         "dtype": config.dtype,
         "checkpoint config.json sha256": checkpoint[:16],
     }

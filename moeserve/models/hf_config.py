@@ -103,6 +103,7 @@ class ModelConfig:
     # checkpoint facts
     checkpoint_dtype: str | None = None
     fp8: Fp8Config | None = None
+    int4: Any = None  # an AWQ or GPTQ checkpoint: quant/int4_checkpoints.Int4CheckpointConfig
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -199,6 +200,7 @@ def _common_fields(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any
         rope=_parse_rope(raw, interleave_default=arch.startswith("Deepseek"), source=source),
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         fp8=_parse_quant(raw.get("quantization_config"), source),
+        int4=_parse_int4(raw.get("quantization_config"), source),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
@@ -300,13 +302,34 @@ def _parse_rope(raw: dict[str, Any], interleave_default: bool, source: str) -> R
     return RopeConfig(**kw)
 
 
+def _parse_int4(quant: dict[str, Any] | None, source: str) -> Any:
+    """An AWQ or GPTQ checkpoint's ``Int4CheckpointConfig`` (None for any other); imported
+    here only for a quantized checkpoint, so reading a config stays torch-free."""
+    if not quant:
+        return None
+    from moeserve.quant.int4_checkpoints import METHODS as INT4_METHODS
+    from moeserve.quant.int4_checkpoints import Int4CheckpointError, parse_int4_config
+
+    if quant.get("quant_method") not in INT4_METHODS:
+        return None
+    try:
+        return parse_int4_config(quant, source)
+    except Int4CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _parse_quant(quant: dict[str, Any] | None, source: str) -> Fp8Config | None:
     if not quant:
         return None
+    from moeserve.quant.int4_checkpoints import METHODS as INT4_METHODS
+
     method = quant.get("quant_method")
+    if method in INT4_METHODS:
+        return None  # _parse_int4's
     if method != "fp8":
         raise ConfigError(
-            f"{source}: quantization method {method!r} is not supported (supported: fp8)"
+            f"{source}: quantization method {method!r} is not supported (supported: fp8, "
+            f"{', '.join(INT4_METHODS)})"
         )
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":

@@ -15,8 +15,10 @@ from moeserve.distributed.parallel_dims import ParallelDims
 from moeserve.models.base import MoECausalLM
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.registry import model_class
-from moeserve.models.weight_format import apply_weight_format
+from moeserve.models.weight_format import apply_weight_format, settle_int4
 from moeserve.models.weights import INDEX_FILE, LoadReport, checkpoint_files, load_checkpoint
+from moeserve.ops import formats
+from moeserve.ops.formats.base import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +50,17 @@ def load_model(
     progress: bool = True,
     groups: ParallelGroups | None = None,
     moe_options: MoEOptions | None = None,
-    weight_format: str | None = None,
+    weight_format: str | WeightFormat | None = None,
 ) -> tuple[MoECausalLM, ModelConfig, LoadReport]:
     """Build this rank's part of the model and read only its tensors (or their slices).
-    With a ``weight_format`` (``ops/formats``: "int8", "w8a8_int8", "bf16") the weights are
-    converted to it as they are read (``models/weight_format.py``)."""
+    With a ``weight_format`` (``ops/formats``: "int8", "w8a8_int8", "int4", "bf16", or a
+    configured format) the weights are converted to it as they are read
+    (``models/weight_format.py``)."""
     config = ModelConfig.from_dir(model_dir)
+    if config.int4 is not None:  # AWQ / GPTQ: int4 as the checkpoint has it
+        checkpoint_quantization(model_dir, weight_format)
+        c = config.int4
+        weight_format = formats.get("int4").configured(c.group_size, c.symmetric, c.act_order)
     groups = groups or ParallelGroups.single()
     check_layout(config, groups.dims, moe_options or MoEOptions())
     if load_mtp and config.num_nextn_predict_layers:
@@ -74,18 +81,49 @@ def load_model(
             groups=groups,
             moe_options=moe_options,
         )
-    apply_weight_format(model, weight_format)
+    # a 4-bit checkpoint that keeps its LM head 16-bit (as published ones do) keeps it so
+    keep_head = config.int4 is not None and "lm_head.qweight" not in checkpoint_tensor_names(
+        model_dir
+    )
+    apply_weight_format(model, weight_format, keep_lm_head=keep_head)
     report = load_checkpoint(
         model_dir,
         model.weight_specs(),
         dtype,
         fp8=config.fp8,
+        int4=config.int4,
         skip=model.ignored_checkpoint_tensor,
         progress=progress,
     )
+    settle_int4(model)
     model.process_weights_after_loading()
     model.eval()
     return model, config, report
+
+
+def checkpoint_quantization(
+    model_dir: str | Path,
+    requested: str | WeightFormat | None,
+    int4_group_size: int | None = None,
+) -> str | None:
+    """The weight format a checkpoint must be served in: ``int4`` for an AWQ or GPTQ one
+    (``requested`` must be None or int4, and ``int4_group_size`` None or the checkpoint's),
+    else ``requested``'s name. ValueError naming the conflict."""
+    name = requested.name if isinstance(requested, WeightFormat) else requested
+    c = ModelConfig.from_dir(model_dir).int4
+    if c is None:
+        return name
+    if name not in (None, "int4"):
+        raise ValueError(
+            f"{model_dir} is a 4-bit {c.method} checkpoint: serve it with --quantization int4 "
+            f"(or none), not {name}"
+        )
+    if int4_group_size not in (None, c.group_size):
+        raise ValueError(
+            f"{model_dir} is a {c.method} checkpoint with group size {c.group_size}; "
+            f"--int4-group-size {int4_group_size} cannot regroup it"
+        )
+    return "int4"
 
 
 def check_layout(config: ModelConfig, dims: ParallelDims, options: MoEOptions) -> None:

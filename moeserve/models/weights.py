@@ -5,6 +5,10 @@ checks every header against that (names, shapes, dtypes) before reading any data
 tensor, converts it to the compute dtype (dequantizing DeepSeek FP8 weights), hands it to the
 spec's ``load`` and drops it, so the model is never held twice in memory.
 
+An AWQ or GPTQ checkpoint's ``X.weight`` comes as ``X.qweight``, ``X.qzeros``, ``X.scales``
+(and GPTQ's ``X.g_idx``): those are read together and handed over decoded, as a
+``PackedInt4`` (``quant/int4_checkpoints.py``), which an int4 weight stores as it is.
+
 Only safetensors are read: nothing in the model directory is executed or unpickled.
 """
 
@@ -24,12 +28,20 @@ from tqdm import tqdm
 
 from moeserve.models.fp8 import dequantize_fp8_block, scale_shape
 from moeserve.models.hf_config import Fp8Config
+from moeserve.quant.int4_checkpoints import (
+    Int4CheckpointConfig,
+    Int4CheckpointError,
+    decode,
+    expected_shapes,
+    packed_names,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" is dequantized with "X.weight_scale_inv"
 FP8_DTYPE = "F8_E4M3"
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, FP8_DTYPE: 1}
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, FP8_DTYPE: 1, "I32": 4}
+PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")  # AWQ's and GPTQ's tensors
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _MAX_LISTED = 5
 
@@ -133,6 +145,7 @@ def load_checkpoint(
     dtype: torch.dtype,
     *,
     fp8: Fp8Config | None = None,
+    int4: Int4CheckpointConfig | None = None,
     skip: Callable[[str], bool] | None = None,
     progress: bool = True,
 ) -> LoadReport:
@@ -140,22 +153,29 @@ def load_checkpoint(
 
     Tensors for which ``skip(name)`` is true are ignored (and not required); the scale of a
     skipped FP8 weight is skipped with it. With ``fp8``, ``float8_e4m3fn`` weights are
-    dequantized with their ``<name>_scale_inv``, which must not be in ``specs``. Every header is
-    validated before any data is read. Raises CheckpointError for a missing or damaged file, a
-    missing or unexpected tensor, a shape mismatch or an unsupported dtype.
+    dequantized with their ``<name>_scale_inv``, which must not be in ``specs``. With ``int4``
+    (an AWQ or GPTQ checkpoint), a ``<base>.weight`` stored as ``<base>.qweight`` and the rest
+    is handed over as a ``PackedInt4``. Every header is validated before any data is read.
+    Raises CheckpointError for a missing or damaged file, a missing or unexpected tensor, a
+    shape mismatch or an unsupported dtype.
     """
     start = time.perf_counter()
     root = Path(model_dir)
     entries = _scan_headers(checkpoint_files(root), _read_index(root), root)
-    order, skipped = _plan(entries, specs, fp8, skip or (lambda _name: False), root)
+    order, skipped = _plan(entries, specs, fp8, int4, skip or (lambda _name: False), root)
     num_bytes = 0
     with _OpenFiles() as files, torch.no_grad():
         bar = tqdm(order, desc="loading weights", unit="tensor", disable=not progress)
-        for name, scale_name in bar:
-            entry, spec = entries[name], specs[name]
-            if scale_name is not None:
+        for name, companions in bar:
+            spec = specs[name]
+            if int4 is not None and companions and companions[0].endswith(".qweight"):
+                num_bytes += sum(entries[c].nbytes for c in companions)
+                tensor = _read_packed(files, entries, int4, name, companions, spec)
+            elif companions:
                 # FP8 blocks straddle shard edges: dequantize the whole tensor, then cut
                 assert fp8 is not None
+                (scale_name,) = companions
+                entry = entries[name]
                 tensor = files.tensor(entry.file, name)
                 scale = files.tensor(entries[scale_name].file, scale_name)
                 num_bytes += entry.nbytes + entries[scale_name].nbytes
@@ -163,12 +183,31 @@ def load_checkpoint(
                 tensor = spec.narrowed(tensor)
                 del scale
             else:
+                entry = entries[name]
                 tensor = files.tensor(entry.file, name, spec.shard)
                 num_bytes += tensor.numel() * ITEMSIZE[entry.dtype]
                 tensor = tensor.to(dtype)
             spec.load(tensor)
             del tensor
     return LoadReport(len(order), num_bytes, skipped, time.perf_counter() - start)
+
+
+def _read_packed(
+    files: _OpenFiles,
+    entries: Mapping[str, _Entry],
+    int4: Int4CheckpointConfig,
+    name: str,
+    companions: tuple[str, ...],
+    spec: WeightSpec,
+):
+    """The AWQ/GPTQ tensors of ``name`` decoded, then cut to the spec's shard."""
+    base = name.removesuffix(".weight")
+    parts = {c[len(base) + 1 :]: files.tensor(entries[c].file, c) for c in companions}
+    N, K = spec.shape
+    try:
+        return spec.narrowed(decode(int4, parts, N, K, base))
+    except Int4CheckpointError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _read_index(root: Path) -> dict[str, str] | None:
@@ -225,22 +264,38 @@ def _plan(
     entries: Mapping[str, _Entry],
     specs: Mapping[str, WeightSpec],
     fp8: Fp8Config | None,
+    int4: Int4CheckpointConfig | None,
     skip: Callable[[str], bool],
     root: Path,
-) -> tuple[list[tuple[str, str | None]], tuple[str, ...]]:
-    """Validate headers against ``specs``; return ``[(name, scale name or None)]`` to load, in
-    file order, and the skipped checkpoint names. Raises CheckpointError on the first problem."""
+) -> tuple[list[tuple[str, tuple[str, ...]]], tuple[str, ...]]:
+    """Validate headers against ``specs``; return ``[(name, companion names)]`` to load, in
+    file order (companions: an FP8 weight's scale, or the AWQ/GPTQ tensors that stand for
+    ``name``), and the skipped checkpoint names. Raises CheckpointError on the first
+    problem."""
 
     def is_skipped(name: str) -> bool:
         if skip(name):
             return True
-        return name.endswith(SCALE_SUFFIX) and skip(name[: -len(SCALE_SUFFIX)])
+        if name.endswith(SCALE_SUFFIX):
+            return skip(name[: -len(SCALE_SUFFIX)])
+        suffix = next((s for s in PACKED_SUFFIXES if name.endswith(s)), None)
+        return suffix is not None and skip(name.removesuffix(suffix) + ".weight")
 
     skipped = tuple(sorted(n for n in entries if is_skipped(n)))
-    wanted = [n for n in specs if not skip(n) and n in entries]
-    order: list[tuple[str, str | None]] = []
+    wanted = [n for n in specs if not skip(n) and (n in entries or _packed(n, entries, int4))]
+    order: list[tuple[str, tuple[str, ...]]] = []
     consumed: set[str] = set()
-    for name in sorted(wanted, key=lambda n: (entries[n].file, n)):
+
+    def where(n: str) -> tuple[Path, str]:
+        return (entries[n].file if n in entries else entries[_packed(n, entries, int4)[0]].file, n)
+
+    for name in sorted(wanted, key=where):
+        if name not in entries:
+            companions = _packed(name, entries, int4)
+            _check_packed(name, specs[name].shape, companions, entries, int4)
+            consumed.update(companions)
+            order.append((name, companions))
+            continue
         entry = entries[name]
         _check_dtype(name, entry, fp8)
         if entry.shape != specs[name].shape:
@@ -248,14 +303,15 @@ def _plan(
                 f"{name}: expected shape {specs[name].shape}, got {entry.shape} "
                 f"in {entry.file.name}; the checkpoint does not match the model config"
             )
-        scale_name = None
+        companions: tuple[str, ...] = ()
         if entry.dtype == FP8_DTYPE:
             assert fp8 is not None
             scale_name = name + SCALE_SUFFIX
             _check_scale(name, entry, entries.get(scale_name), fp8)
             consumed.add(scale_name)
-        order.append((name, scale_name))
-    missing = sorted(n for n in specs if not skip(n) and n not in entries)
+            companions = (scale_name,)
+        order.append((name, companions))
+    missing = sorted(n for n in specs if not skip(n) and n not in wanted)
     extra = sorted(n for n in entries if n not in specs and n not in consumed and n not in skipped)
     if missing or extra:
         parts = []
@@ -263,11 +319,56 @@ def _plan(
             parts.append(f"{len(missing)} missing tensor(s): {_listed(missing)}")
         if extra:
             parts.append(f"{len(extra)} unexpected tensor(s): {_listed(extra)}")
+        hint = ""
+        if int4 is None and any(n.endswith(".qweight") for n in extra):
+            hint = "; the checkpoint holds 4-bit tensors but config.json names no awq or gptq"
         raise CheckpointError(
             f"checkpoint {root} does not match the model: {'; '.join(parts)} "
-            "(wrong model directory or config? tensors to ignore can be skipped)"
+            f"(wrong model directory or config? tensors to ignore can be skipped){hint}"
         )
     return order, skipped
+
+
+def _packed(
+    name: str, entries: Mapping[str, _Entry], int4: Int4CheckpointConfig | None
+) -> tuple[str, ...]:
+    """The AWQ/GPTQ tensors that stand for ``name`` (``<base>.weight``), or ()."""
+    if int4 is None or not name.endswith(".weight"):
+        return ()
+    names = packed_names(name.removesuffix(".weight"), int4.method)
+    if names[0] not in entries:
+        return ()
+    return tuple(n for n in names if n in entries)
+
+
+def _check_packed(
+    name: str,
+    shape: tuple[int, ...],
+    companions: tuple[str, ...],
+    entries: Mapping[str, _Entry],
+    int4: Int4CheckpointConfig,
+) -> None:
+    """Headers of ``name``'s packed tensors against the ``[N, K]`` weight and the config."""
+    if len(shape) != 2:
+        raise CheckpointError(f"{name}: a {int4.method} weight must be 2-D, got {shape}")
+    N, K = shape
+    want = expected_shapes(int4.method, N, K, int4.group_size)
+    base = name.removesuffix(".weight")
+    for key, expect in want.items():
+        entry = entries.get(f"{base}.{key}")
+        if entry is None:
+            if key == "g_idx":
+                continue
+            raise CheckpointError(f"{base}.{key}: missing; the {int4.method} weight is incomplete")
+        if entry.shape != expect:
+            raise CheckpointError(
+                f"{base}.{key}: expected shape {expect} for a [{N}, {K}] {int4.method} weight "
+                f"with group size {int4.group_size}, got {entry.shape}: the packing disagrees "
+                "with the quantization_config"
+            )
+        ok = entry.dtype in FLOAT_DTYPES if key == "scales" else entry.dtype == "I32"
+        if not ok:
+            raise CheckpointError(f"{base}.{key}: unsupported dtype {entry.dtype}")
 
 
 def _check_dtype(name: str, entry: _Entry, fp8: Fp8Config | None) -> None:

@@ -20,7 +20,16 @@ import yaml
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 KINDS = ("cpu", "gpu", "npu")
-DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+# int4: the codes and, per group of 128 columns, an fp32 scale and a one-byte zero point
+# (ops/formats/int4.py)
+DTYPE_BYTES = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5 + 5 / 128,
+}
 
 
 class ProfileError(ValueError):

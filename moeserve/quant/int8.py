@@ -79,6 +79,10 @@ class Int8Tensor:
     def dim(self) -> int:
         return self.q.dim()
 
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors that hold the weight (what an expert move copies per slot)."""
+        return self.q, self.scale
+
     def __getitem__(self, index) -> Int8Tensor:
         """Rows or leading dims only (``w[a:b]``, ``w[s, rows]``): a scale covers a whole row,
         so the last (K) dim cannot be cut."""
@@ -155,6 +159,9 @@ class Int8Weight(nn.Module):
 
     def dim(self) -> int:
         return self.q.dim()
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data.parts()
 
     def __getitem__(self, index) -> Int8Tensor:
         return self.data[index]

@@ -136,7 +136,7 @@ def test_admin_rebalance_reports_and_keeps_outputs(checkpoint, reference):
         llm.shutdown()
 
 
-def _move_worker(rank: int, world: int, E: int, redundant: int, int8: bool, seed: int) -> bool:
+def _move_worker(rank: int, world: int, E: int, redundant: int, int8, seed: int) -> bool:
     import torch.distributed as dist
 
     from tests.unit.distributed.ep.test_migrate import fake_experts
@@ -157,6 +157,8 @@ def _move_worker(rank: int, world: int, E: int, redundant: int, int8: bool, seed
     return True
 
 
-@pytest.mark.parametrize("world, E, redundant, int8", [(2, 8, 2, False), (4, 16, 4, True)])
+@pytest.mark.parametrize(
+    "world, E, redundant, int8", [(2, 8, 2, False), (4, 16, 4, "int8"), (2, 8, 2, "int4")]
+)
 def test_move_experts_over_gloo(world, E, redundant, int8):
     assert all(run_ranks(_move_worker, world, E, redundant, int8, world, timeout=60))

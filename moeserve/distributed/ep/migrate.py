@@ -118,10 +118,11 @@ def table_plan(old_P: list[int], new: ExpertPlacement, rank: int) -> TransferPla
 
 def slot_tensors(experts) -> list[torch.Tensor]:
     """The stacked per-slot tensors of a ``FusedExperts`` (``[S, ...]`` each): its fp32/bf16
-    weights, or an int8 weight's values and scales."""
+    weights, or a quantized weight's parts (int8: values and scales; int4: packed codes,
+    scales and zero points), moved as they are."""
     out = []
     for w in (experts.w13_EFD, experts.w2_EDF):
-        out.extend([w.q, w.scale] if hasattr(w, "q") else [w])
+        out.extend(w.parts() if hasattr(w, "parts") else [w])
     return out
 
 

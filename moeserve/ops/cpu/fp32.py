@@ -217,6 +217,32 @@ def moe_call_split(
     return meta, weight32_R, h, y, [(i, starts[i]) for i, b in enumerate(big) if b]
 
 
+def dequantized_experts(
+    x_RD: torch.Tensor,
+    y_RD: torch.Tensor,
+    experts: list[int],
+    counts: list[int],
+    big: list[tuple[int, int]],
+    weight_R: torch.Tensor,
+    w13,
+    w2,
+    dequantize_into,
+) -> None:
+    """The ``big`` groups of :func:`moe_call_split` (``(index, first row)``) through MKL into
+    ``y_RD``: each expert's quantized ``w13``/``w2`` dequantized (``dequantize_into(w, out)``)
+    into two reused fp32 buffers, the gated FFN as two GEMMs, times the routing weights."""
+    if not big:
+        return
+    b13_FD = torch.empty(w13.shape[1:], dtype=torch.float32)
+    b2_DF = torch.empty(w2.shape[1:], dtype=torch.float32)
+    for i, first in big:
+        rows = slice(first, first + counts[i])
+        gate, up = F_.linear(x_RD[rows], dequantize_into(w13[experts[i]], b13_FD)).chunk(2, -1)
+        w2_DF = dequantize_into(w2[experts[i]], b2_DF)
+        torch.matmul(F_.silu(gate).mul_(up), w2_DF.t(), out=y_RD[rows])
+        y_RD[rows] *= weight_R[rows, None]
+
+
 def moe_experts(
     x_RD: torch.Tensor,
     experts: list[int],

@@ -23,7 +23,12 @@ import torch.nn.functional as F
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.bound import BoundGemm, MoEBuffers, on_cpu_contiguous, pointers
 from moeserve.ops.cpu.build import I64, INT, PTR
-from moeserve.ops.cpu.fp32 import few_rows, moe_call_split, wide  # shared with fp32
+from moeserve.ops.cpu.fp32 import (  # shared with fp32
+    dequantized_experts,
+    few_rows,
+    moe_call_split,
+    wide,
+)
 from moeserve.quant.int8 import Int8Tensor
 
 _SOURCE = Path(__file__).with_name("int8.c")
@@ -50,12 +55,12 @@ def moe_int8_ref(
     w13: Int8Tensor,
     w2: Int8Tensor,
     weight_R: torch.Tensor,
-    gemm: Callable[[torch.Tensor, Int8Tensor], torch.Tensor] | None = None,
+    gemm: Callable[[torch.Tensor, object], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`moe_experts`: rows sorted by expert (``counts[i]`` rows for
     ``experts[i]``) through their expert's gated FFN with ``gemm(x, w)`` (by default
-    :func:`linear_int8_ref`; ``int8_amx.moe_ref`` passes its own), each scaled by its routing
-    weight."""
+    :func:`linear_int8_ref`; ``int8_amx.moe_ref`` and ``int4.moe_int4_ref`` pass their own),
+    each scaled by its routing weight."""
     if gemm is None:
         gemm = lambda x, w: linear_int8_ref(x, w.q, w.scale)  # noqa: E731
     F2 = w13.shape[1]
@@ -215,16 +220,7 @@ def moe_experts(
             y.data_ptr(),
             int(wide() if avx512 is None else avx512),
         )
-    if big:
-        b13 = torch.empty(w13.shape[1:], dtype=torch.float32)
-        b2 = torch.empty(w2.shape[1:], dtype=torch.float32)
-        for i, first in big:
-            rows = slice(first, first + counts[i])
-            gate, up = F.linear(x_RD[rows], dequantize_into(w13[experts[i]], b13)).chunk(2, -1)
-            torch.matmul(
-                F.silu(gate).mul_(up), dequantize_into(w2[experts[i]], b2).t(), out=y[rows]
-            )
-            y[rows] *= weight_R[rows, None]
+    dequantized_experts(x_RD, y, experts, counts, big, weight_R, w13, w2, dequantize_into)
     return y
 
 

@@ -5,6 +5,8 @@
     bf16         bf16.py       dense bf16 (AMX tiles)           fp32 or bf16
     int8         int8.py       int8 rows, one fp32 scale each   fp32
     w8a8_int8    w8a8_int8.py  int8's, rows of x rounded too    fp32
+    int4         int4.py       4-bit codes, a scale and zero    fp32
+                               point per group of columns
 
 A weight carries its format: an int8 weight (``quant/int8.py``) names it, a dense tensor's is
 its dtype's (fp32, bf16; other dtypes get the plain torch format of ``base.py``). Layers call
@@ -33,10 +35,12 @@ _MODULES = {
     "int8": "int8",
     "w8a8_int8": "w8a8_int8",
     "bf16": "bf16",
+    "int4": "int4",
 }
 # what --quantization takes: "none" keeps the checkpoint's weights in the model dtype
 QUANTIZATIONS = ("none", *(n for n in _MODULES if n != "fp32"))
 _DENSE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+INT4_GROUP_SIZES = (32, 64, 128)  # columns per scale int4 takes (ops/formats/int4.py)
 
 
 def normalize_quantization(name: str | None) -> str | None:
@@ -55,6 +59,33 @@ def get(name: str) -> WeightFormat:
     if name not in _MODULES:
         raise KeyError(f"no weight format {name!r}; registered: {', '.join(_MODULES)}")
     return importlib.import_module(f"moeserve.ops.formats.{_MODULES[name]}").FORMAT
+
+
+def check_options(name: str | None, int4_group_size: int | None, int4_symmetric: bool) -> None:
+    """Raise ValueError for int4's options given with another format, or a group size int4
+    does not take (without loading any format)."""
+    if name != "int4" and (int4_group_size is not None or not int4_symmetric):
+        raise ValueError(
+            "int4_group_size and int4_symmetric apply to quantization int4 only, not "
+            f"{name or 'none'}"
+        )
+    if int4_group_size is not None and int4_group_size not in INT4_GROUP_SIZES:
+        raise ValueError(
+            f"int4_group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+            f"got {int4_group_size}"
+        )
+
+
+def configured(
+    name: str | None, int4_group_size: int | None = None, int4_symmetric: bool = True
+) -> WeightFormat | None:
+    """The format ``name`` quantizing as the options say (None for None). The options are
+    int4's (``ops/formats/int4.py``); ValueError as :func:`check_options` says."""
+    check_options(name, int4_group_size, int4_symmetric)
+    if name is None:
+        return None
+    fmt = get(name)
+    return fmt.configured(int4_group_size, int4_symmetric) if name == "int4" else fmt
 
 
 @cache

@@ -34,6 +34,30 @@ def widened(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return w if w.dtype == x.dtype else w.to(x.dtype)
 
 
+def through_fp32_rows(
+    x: torch.Tensor, N: int, matmul: Callable[[torch.Tensor], torch.Tensor], bias=None
+) -> torch.Tensor:
+    """``matmul`` (fp32 ``[M, K]`` rows to ``[M, N]``) applied to ``x [..., K]`` of any float
+    dtype: the result in ``x``'s shape and dtype, plus ``bias``. The many-row body of the
+    quantized formats, whose kernels take fp32 activations."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = matmul(x2 if x2.dtype == torch.float32 else x2.float()).view(*x.shape[:-1], N)
+    if bias is not None:
+        y = y.add_(bias)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def into_fp32_out(
+    x: torch.Tensor, out: torch.Tensor, matmul, linear: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``out[:] = x @ w.T``: ``matmul(x, out)`` where both are fp32 with unit-stride rows (the
+    kernel writes ``out``), else ``linear(x)`` copied in."""
+    if out.dtype == torch.float32 and out.stride(-1) == 1 and x.dtype == torch.float32:
+        return matmul(x, out)
+    out.copy_(linear(x))
+    return out
+
+
 class WeightFormat:
     """The plain-torch format; subclasses override what their kernels do faster."""
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.ops.cpu import int8 as int8_kernels
-from moeserve.ops.formats.base import WeightFormat
+from moeserve.ops.formats.base import WeightFormat, into_fp32_out, through_fp32_rows
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, as_int8
 
 _BLOCK_BYTES = 1 << 20  # fp32 bytes of dequantized weight per block: stays in L2
@@ -51,20 +51,13 @@ class Int8Format(WeightFormat):
         w = as_int8(w)
         if bias is None and not self.rounds_activations and int8_kernels.usable(x, w):  # decode
             return int8_kernels.gemm_nt(x, w)
-        K = x.shape[-1]
-        x2 = x.reshape(-1, K)
-        y = self.matmul(x2 if x2.dtype == torch.float32 else x2.float(), w, None)
-        y = y.view(*x.shape[:-1], w.shape[0])
-        if bias is not None:
-            y = y.add_(bias)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        return through_fp32_rows(x, w.shape[0], lambda x2: self.matmul(x2, w, None), bias)
 
     def linear_into(self, x, w, out):
         w = as_int8(w)
-        if out.dtype == torch.float32 and out.stride(-1) == 1 and x.dtype == torch.float32:
-            return self.matmul(x, w, out)
-        out.copy_(self.linear(x, w))
-        return out
+        return into_fp32_out(
+            x, out, lambda x_, o: self.matmul(x_, w, o), lambda x_: self.linear(x_, w)
+        )
 
     def matmul(self, x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """fp32 ``x [M, K]`` times int8 ``w [N, K]``; into ``out`` (unit-stride rows) if

@@ -18,20 +18,33 @@ from moeserve.distributed.ep.migrate import (
     transfer_plan,
 )
 from moeserve.distributed.ep.placement import EMPTY_SLOT
+from moeserve.quant.int4 import Int4Tensor
+from moeserve.quant.int8 import Int8Tensor
 
 
-def fake_experts(table: list[int], int8: bool = False) -> SimpleNamespace:
-    """Slot s holds the weights of expert table[s]: every value derived from the expert id."""
+def fake_experts(table: list[int], quant: str | bool = False) -> SimpleNamespace:
+    """Slot s holds the weights of expert table[s]: every value derived from the expert id.
+    ``quant``: w13 as an int8 weight (True or "int8": values and scales) or an int4 one
+    (packed codes, scales, zero points and an act-order column order), else dense."""
     ids = torch.tensor(table, dtype=torch.float32)
     w13 = ids.view(-1, 1, 1) * 10 + torch.arange(12.0).view(1, 4, 3)
     w2 = ids.view(-1, 1, 1) * 10 + torch.arange(6.0).view(1, 3, 2)
-    if int8:
-        q = SimpleNamespace(q=w13.to(torch.int8), scale=w13[:, :, 0].clone())
+    if quant in (True, "int8"):
+        q = Int8Tensor(w13.to(torch.int8), w13[:, :, 0].clone())
+        return SimpleNamespace(w13_EFD=q, w2_EDF=w2)
+    if quant == "int4":
+        codes = (ids.view(-1, 1, 1) * 7 + torch.arange(64.0).view(1, 1, 64)).expand(-1, 4, -1)
+        q = Int4Tensor(
+            codes.remainder(256).to(torch.uint8).contiguous(),
+            codes[:, :, :2].clone(),  # fp32 scales [S, 4, 2]: K = 128, groups of 64
+            codes[:, :, :2].remainder(16).to(torch.uint8).contiguous(),
+            perm=(ids.view(-1, 1) + torch.arange(128.0)).to(torch.int32),
+        )
         return SimpleNamespace(w13_EFD=q, w2_EDF=w2)
     return SimpleNamespace(w13_EFD=w13.transpose(1, 2).contiguous().transpose(1, 2), w2_EDF=w2)
 
 
-def simulate(old: ExpertPlacement, new: ExpertPlacement, int8: bool = False):
+def simulate(old: ExpertPlacement, new: ExpertPlacement, int8: str | bool = False):
     """Run every rank's plan; the all_to_all is a loop over (source, destination)."""
     R, S = old.ep_size, old.slots_per_rank
     ranks = [fake_experts(old.local_logical(r), int8) for r in range(R)]
@@ -40,7 +53,7 @@ def simulate(old: ExpertPlacement, new: ExpertPlacement, int8: bool = False):
     return plans, S
 
 
-def run_plans(ranks, plans, new: ExpertPlacement, int8: bool = False) -> None:
+def run_plans(ranks, plans, new: ExpertPlacement, int8: str | bool = False) -> None:
     """Carry out ``plans`` on every rank's slots, then check each holds ``new``'s experts."""
     R = len(ranks)
     sent = [
@@ -61,7 +74,7 @@ def run_plans(ranks, plans, new: ExpertPlacement, int8: bool = False) -> None:
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("int8", [False, "int8", "int4"])
 @pytest.mark.parametrize("R, E, redundant", [(2, 8, 0), (4, 16, 4), (3, 6, 3)])
 def test_plan_lands_every_new_slot(R, E, redundant, int8):
     g = torch.Generator().manual_seed(R * 100 + E)

@@ -22,8 +22,24 @@ def test_engine_config_accepts_and_normalizes():
 
 
 def test_unknown_quantization_names_the_choices():
-    with pytest.raises(ValueError, match=r"unknown quantization 'int4'; choose one of none, int8"):
-        EngineConfig(model="m", quantization="int4")
+    with pytest.raises(ValueError, match=r"unknown quantization 'int3'; choose one of none, int8"):
+        EngineConfig(model="m", quantization="int3")
+
+
+def test_int4_options():
+    cfg = EngineConfig(model="m", quantization="int4", int4_group_size=64, int4_symmetric=False)
+    assert (cfg.int4_group_size, cfg.int4_symmetric) == (64, False)
+    with pytest.raises(ValueError, match="int4_group_size must be one of 32, 64, 128"):
+        EngineConfig(model="m", quantization="int4", int4_group_size=100)
+    with pytest.raises(ValueError, match="apply to quantization int4 only, not int8"):
+        EngineConfig(model="m", quantization="int8", int4_group_size=64)
+    with pytest.raises(ValueError, match="apply to quantization int4 only, not none"):
+        EngineConfig(model="m", int4_symmetric=False)
+    args = build_parser().parse_args(
+        ["serve", "--quantization", "int4", "--int4-group-size", "32", "--int4-asymmetric"]
+    )
+    kw = engine_kwargs(args)
+    assert (kw["quantization"], kw["int4_group_size"], kw["int4_symmetric"]) == ("int4", 32, False)
 
 
 def test_cli_flag(capsys):

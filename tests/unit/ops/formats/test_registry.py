@@ -11,19 +11,19 @@ from moeserve.ops import formats
 from moeserve.ops.formats.base import WeightFormat
 from moeserve.quant.int8 import Int8Weight
 
-NAMES = ["fp32", "int8", "w8a8_int8", "bf16"]
+NAMES = ["fp32", "int8", "w8a8_int8", "bf16", "int4"]
 
 
 def test_registry_names_and_quantization_choices():
-    assert formats.QUANTIZATIONS == ("none", "int8", "w8a8_int8", "bf16")
+    assert formats.QUANTIZATIONS == ("none", "int8", "w8a8_int8", "bf16", "int4")
     for name in NAMES:
         fmt = formats.get(name)
         assert isinstance(fmt, WeightFormat) and fmt.name == name
-    with pytest.raises(KeyError, match="no weight format 'int4'; registered: fp32, int8"):
-        formats.get("int4")
+    with pytest.raises(KeyError, match="no weight format 'int3'; registered: fp32, int8"):
+        formats.get("int3")
     assert formats.normalize_quantization("none") is None
-    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
-        formats.normalize_quantization("int4")
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        formats.normalize_quantization("int3")
 
 
 def test_a_weight_carries_its_format():
@@ -41,10 +41,10 @@ def test_a_weight_carries_its_format():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_make_weight_holds_the_format(name):
-    p = nn.Parameter(torch.empty(16, 64), requires_grad=False)
+    p = nn.Parameter(torch.empty(16, 128), requires_grad=False)
     w = formats.get(name).make_weight(p)
     assert formats.of(w) is formats.get(name)
-    assert tuple(w.shape) == (16, 64)
+    assert tuple(w.shape) == (16, 128)
 
 
 def test_weight_bytes():
@@ -76,15 +76,15 @@ def _weight(name: str, w: torch.Tensor):
 
 # each format against F.linear on what it holds (bf16-rounded or q * scale); w8a8 also
 # rounds the rows, so its bound is the rounding of x (measured ~0.02 on these values)
-BOUNDS = {"fp32": 1e-5, "bf16": 1e-2, "int8": 1e-4, "w8a8_int8": 0.15}
+BOUNDS = {"fp32": 1e-5, "bf16": 1e-2, "int8": 1e-4, "w8a8_int8": 0.15, "int4": 1e-4}
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("M", [1, 5, 130])
 def test_linear_paths_agree_with_the_plain_body(name, M):
     g = torch.Generator().manual_seed(M)
-    w = _weight(name, torch.randn(48, 64, generator=g))
-    x = torch.randn(M, 64, generator=g)
+    w = _weight(name, torch.randn(48, 128, generator=g))
+    x = torch.randn(M, 128, generator=g)
     fmt = formats.of(w)
     held = fmt.dense(w, torch.float32).float()
     want = x @ held.t()
@@ -101,7 +101,7 @@ def test_the_planner_streams_what_the_formats_state():
     with what each format states."""
     from moeserve.planner.hardware import DTYPE_BYTES
 
-    for name in ("fp32", "bf16", "int8"):
+    for name in ("fp32", "bf16", "int8", "int4"):
         assert DTYPE_BYTES[name] == formats.get(name).bytes_per_weight
 
 

@@ -1,0 +1,130 @@
+"""Weight-only int4 GEMM (group 128 and 32) against int8 and fp32 on the decode shapes of the
+benchmark model.
+
+GB/s counts the weight bytes read per call (fp32: 4 per weight; int8: 1 plus a 4-byte scale
+per row; int4: K / 2 bytes of codes plus 5 per group, an fp32 scale and a uint8 zero point);
+``int4/int8`` is the int4 kernel's speed over the int8 kernel's (its rows per second over
+int8's). Each call reads another copy of the weight, from a set of copies larger than the L3
+cache, so the weight streams from memory as in a decode step. One table per ISA.
+
+    python benchmarks/int4_gemm.py [--threads 2] [--rows 1 2 4 8 16 32] [--isa both]
+        [--out bench_out/int4_gemm.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu import int4, int8
+from moeserve.quant.int4 import Int4Tensor, quantize_groups
+from moeserve.quant.int8 import Int8Tensor, quantize_rows
+
+SHAPES = [(1024, 1024), (6144, 384), (32000, 1024)]
+GROUPS = (128, 32)
+COLD_BYTES = 192 << 20  # copies of a weight fill this much: well past the L3 cache
+
+
+def copies(parts: tuple[torch.Tensor, ...], total: int = COLD_BYTES) -> list[tuple]:
+    """Clones of the tensors of one weight, together at least ``total`` bytes."""
+    size = sum(t.numel() * t.element_size() for t in parts)
+    return [tuple(t.clone() for t in parts) for _ in range(max(1, -(-total // size)))]
+
+
+def cycling(items: list):
+    i = 0
+
+    def next_item():
+        nonlocal i
+        i += 1
+        return items[i % len(items)]
+
+    return next_item
+
+
+def best_ms(fn, budget_s: float = 0.15, min_reps: int = 3) -> float:
+    fn()
+    times, t_end = [], time.perf_counter() + budget_s
+    while len(times) < min_reps or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def shape_rows(N: int, K: int, rows: list[int], wide: bool, g: torch.Generator) -> list[dict]:
+    """fp32, int8 and int4 kernels (each group size) on cold copies of one weight, for each
+    row count: ms and GB/s of each."""
+    w = torch.randn(N, K, generator=g)
+    fp32_w = cycling([c[0] for c in copies((w,))])
+    i8 = cycling([Int8Tensor(*c) for c in copies(quantize_rows(w))])
+    i4 = {G: cycling([Int4Tensor(*c) for c in copies(quantize_groups(w, G))]) for G in GROUPS}
+    del w
+    nbytes = {"fp32": 4 * N * K, "int8": N * K + 4 * N}
+    nbytes |= {f"int4 g{G}": N * (K // 2 + 5 * K // G) for G in GROUPS}
+    out = []
+    for M in rows:
+        x = torch.randn(M, K, generator=g)
+        ms = {
+            "fp32": best_ms(lambda x=x: fp32_kernels.gemm_nt(x, fp32_w(), avx512=wide)),
+            "int8": best_ms(lambda x=x: int8.gemm_nt(x, i8(), avx512=wide)),
+        }
+        for G in GROUPS:
+            ms[f"int4 g{G}"] = best_ms(lambda x=x, G=G: int4.gemm_nt(x, i4[G](), avx512=wide))
+        gbs = {k: nbytes[k] / t / 1e6 for k, t in ms.items()}
+        out.append(dict(N=N, K=K, M=M, isa="avx512" if wide else "avx2", ms=ms, gbs=gbs))
+    return out
+
+
+def table(records: list[dict]) -> None:
+    kinds = ["fp32", "int8", *(f"int4 g{G}" for G in GROUPS)]
+    head = " | ".join(f"{k} ms (GB/s)" for k in kinds)
+    ratios = " | ".join(f"g{G}/int8" for G in GROUPS)
+    print(f"| weight (N x K) | M | {head} | {ratios} |")
+    print("|---|---:|" + "---:|" * (len(kinds) + len(GROUPS)))
+    for r in records:
+        cells = " | ".join(f"{r['ms'][k]:.3f} ({r['gbs'][k]:.1f})" for k in kinds)
+        up = " | ".join(f"{r['ms']['int8'] / r['ms'][f'int4 g{G}']:.2f}x" for G in GROUPS)
+        print(f"| {r['N']} x {r['K']} | {r['M']} | {cells} | {up} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument(
+        "--isa", choices=["default", "avx2", "avx512", "both"], default="default",
+        help="default: the one the kernels pick here (AVX-512F where the CPU has it)",
+    )  # fmt: skip
+    ap.add_argument("--out", default="bench_out/int4_gemm.json")
+    args = ap.parse_args()
+    if not (int4.available() and int8.available() and fp32_kernels.available()):
+        raise SystemExit("the CPU kernels are not available here (no AVX2/FMA or no compiler)")
+    torch.set_num_threads(args.threads)
+    isas = {
+        "default": [int4.wide()],
+        "avx2": [False],
+        "avx512": [True],
+        "both": [False, True] if int4.wide() else [False],
+    }[args.isa]
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for wide in isas:
+        print(f"\n{'AVX-512F' if wide else 'AVX2'}, {args.threads} threads, best of >= 3 calls")
+        rows = [r for N, K in SHAPES for r in shape_rows(N, K, args.rows, wide, g)]
+        table(rows)
+        records += rows
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(threads=args.threads, torch=torch.__version__)
+    out.write_text(json.dumps(dict(meta=meta, rows=records), indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

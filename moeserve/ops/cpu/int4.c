@@ -1,0 +1,539 @@
+/* Weight-only int4 kernels for few token rows: fp32 activations, group-wise 4-bit weights
+ * (quant/int4.py): codes u in [0, 15] with an fp32 scale and a uint8 zero point per group of
+ * G = 32, 64 or 128 columns of a row,
+ *
+ *   w[n, k] = (u[n, k] - zero[n, k / G]) * scale[n, k / G]
+ *   y[M, N] = x[M, K] @ w^T
+ *
+ * A row's codes are K / 2 bytes, each run of 32 columns in 16 bytes: byte j holds column j in
+ * its low nibble and column 16 + j in its high one. One 16-byte load widened to 16 dwords
+ * (vpmovzxbd) gives the run's columns 0..15 (the low nibbles) and 16..31 (`>> 4`); AVX2 does
+ * the same per 8 bytes (columns j..j+7 and 16+j..16+j+7).
+ *
+ * The int4 twin of int8.c: each weight row is streamed from memory once, the threads share
+ * out panels of PANEL weight rows. Half int8's bytes per weight, so the work per weight
+ * decides the speed even at one token row, and that shaped the kernel (measured one thread,
+ * benchmarks/int4_gemm.py shapes and a 256 x 4096 weight in L2, AVX-512 on a Zen 5 core):
+ *
+ *   registers   NQ weight rows at a time are dequantized in registers, then dotted with a
+ *               block of at most MBQ token rows; more token rows run as several blocks
+ *               (near-equal) over the same NQ rows, whose codes stay in L1. AVX-512: quads
+ *               of weight rows (each x vector feeds 4 FMAs; 1.3-2x pairs at 1-6 token rows)
+ *               and blocks of 4 token rows, at any M (2x the fp32-chunk form below from 16
+ *               rows: 4.8 vs 10.4 ns per 32 weights at 16 rows). AVX2: pairs (quads were
+ *               30% slower at one row: 16 registers), blocks of up to 6 rows.
+ *   fp32 chunk  AVX2 from MBQ + 1 rows, as int8.c: a KC-column chunk of the panel is
+ *               dequantized once into an fp32 buffer, then each block of MBF token rows
+ *               sweeps the panel's pairs (as fast as register blocks there, and int8's form).
+ *
+ * Zero point and scale. AVX-512: each group's 16 possible values (u - zero) * scale are one
+ * vector (one FMA per group and row), and vpermps, which reads the low 4 bits of each index
+ * lane, looks the codes up in it: per 32 weights and row 1 widening load, 1 shift, 2 vpermps
+ * and the 2 dot FMAs. Measured against the two forms the task named (one row, group 128, in
+ * L2): dequantizing with one FMA per vector (cvtdq2ps, then u * s + (-z * s)) 47 against
+ * 61-65 Gweights/s; folding the scale once per group (sum x * u per group, times s, the zero
+ * points from per-group sums of x, which all weight rows share) no faster at group 128 and
+ * 1.4x slower at 32 (pairs, from memory), and 50 Gweights/s with quads when the codes become
+ * floats 1 + u / 16 by integer ops instead of a conversion. AVX2 has no 16-entry lookup
+ * (vpermps ymm reads 3 bits): it dequantizes with the FMA (folding was 16% faster at group
+ * 128 and one row, slower at group 32 and from 2 rows). The group size is a compile-time
+ * constant in the dot (DISPATCH_G), so a group's runs unroll (G = 32: 42 -> 45 Gweights/s).
+ *
+ * What bounds decode (benchmarks/int4_gemm.py, 32000 x 1024 from memory, one token row): per
+ * core the lookups and FMAs (~2.2 cycles per 32 weights and row, ~64 Gweights/s in L2): one
+ * thread reads ~29 GB/s of group-128 weight from memory, 1.35-1.45x int8.c's rows/s (int8 is
+ * bound by its conversions there too, at ~37 GB/s). With 2 threads int4 streams 43-55 GB/s,
+ * 1.25-2.2x int8's rows/s: the most where int8 is bound by the memory (~45 GB/s), the least
+ * where the memory gives int8 75 GB/s (this host's bandwidth varies with its other tenants).
+ * From 4 token rows both are bound by the dot FMAs (1 per 16 weights and row): int8's speed.
+ *
+ * The body is compiled twice (this file includes itself): for AVX2+FMA, the baseline, and for
+ * AVX-512F with `#pragma GCC target`; the caller picks one per call (`wide`), ops/cpu/int4.py
+ * from the CPU's flags. Pure-torch references: ops/cpu/int4.py (linear_int4_ref, moe_int4_ref).
+ */
+#ifndef INT4_BODY
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#define PANEL 8 /* weight rows per job */
+#ifndef KC
+#define KC 1024 /* columns per dequantized chunk (a multiple of 128: whole groups and runs) */
+#endif
+#ifndef PREFETCH
+#define PREFETCH 8192 /* bytes ahead on each weight row: measured best of 1024..16384 */
+#endif
+#define RUN 32 /* columns per packed run of 16 bytes */
+/* Rows of x per pass over the weight (many-row calls), so they stay in cache across its
+ * panels: 512 KB of them, at least 64 rows (decode batches in one pass). One thread, AVX-512,
+ * 2048 x 4096 weight, 2048 rows: 150 ms in passes of 32 rows, 484 in one. */
+#define X_PASS_BYTES (512 << 10)
+#define X_PASS_MIN_ROWS 64
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+
+/* DISPATCH_MB (common.h) for lim <= 6 that compiles no case past lim */
+#define DISPATCH_FEW(left, lim, CALL)                \
+    switch ((left) >= (lim) ? (lim) : (int)(left)) { \
+        case 1: CALL(1); break;                      \
+        case 2: if ((lim) >= 2) CALL(2); break;      \
+        case 3: if ((lim) >= 3) CALL(3); break;      \
+        case 4: if ((lim) >= 4) CALL(4); break;      \
+        case 5: if ((lim) >= 5) CALL(5); break;      \
+        default: if ((lim) >= 6) CALL(6); break;     \
+    }
+/* CALL(mb, G) with the group size G (32, 64 or 128) as a compile-time constant */
+#define DISPATCH_G(G, mb, CALL)        \
+    switch (G) {                       \
+        case 32: CALL(mb, 32); break;  \
+        case 64: CALL(mb, 64); break;  \
+        default: CALL(mb, 128); break; \
+    }
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 h = _mm_movehdup_ps(s);
+    s = _mm_add_ps(s, h);
+    h = _mm_movehl_ps(h, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, h));
+}
+
+/* sn[2j] = scale[j] and sn[2j + 1] = -zero[j] * scale[j] for j < n: the multiplier and addend
+ * that dequantize group j in one FMA, side by side (one pointer per weight row in the dot) */
+static inline void scale_neg_zero(int64_t n, const uint8_t *zero, const float *scale,
+                                  float *sn) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256i z8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zero + j)));
+        const __m256 s = _mm256_loadu_ps(scale + j), neg = _mm256_set1_ps(-0.0f);
+        const __m256 nz = _mm256_mul_ps(_mm256_cvtepi32_ps(z8), _mm256_xor_ps(s, neg));
+        const __m256 lo = _mm256_unpacklo_ps(s, nz), hi = _mm256_unpackhi_ps(s, nz);
+        _mm256_storeu_ps(sn + 2 * j, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(sn + 2 * j + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+    for (; j < n; j++) {
+        sn[2 * j] = scale[j];
+        sn[2 * j + 1] = (float)zero[j] * -scale[j];
+    }
+}
+
+/* ---- AVX2 + FMA: 8 lanes, a run in two halves of 8 bytes ---- */
+#define INT4_BODY
+#define W 8
+#define NSUB 2   /* loads of W code bytes per run */
+#define NQ 2     /* weight rows dequantized at a time */
+#define MBQ 6    /* token rows per block: 2 * 6 accumulators + 4 of 16 registers */
+#define CHUNKS 1 /* more than MBQ token rows: the fp32-chunk form */
+#define MBF 6    /* token rows per block over the dequantized chunk */
+#define LUT 0    /* dequantize with an FMA per vector */
+#define SFX _avx2
+typedef __m256 vf_avx2;
+typedef __m256i vi_avx2;
+#define VF vf_avx2
+#define VI vi_avx2
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(f) _mm256_set1_ps(f)
+#define VLOADU(p) _mm256_loadu_ps(p)
+#define VLOAD(p) _mm256_load_ps(p)
+#define VSTORE(p, v) _mm256_store_ps(p, v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VHSUM(v) hsum256(v)
+/* W bytes of codes as W dwords; their low and high nibbles as floats */
+#define VBYTES(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VLO(b) _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)))
+#define VHI(b) _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))
+#include "int4.c" /* this file: its body, for this ISA */
+#undef W
+#undef NSUB
+#undef NQ
+#undef MBQ
+#undef CHUNKS
+#undef MBF
+#undef LUT
+#undef SFX
+#undef VF
+#undef VI
+#undef VZERO
+#undef VSET1
+#undef VLOADU
+#undef VLOAD
+#undef VSTORE
+#undef VFMA
+#undef VADD
+#undef VHSUM
+#undef VBYTES
+#undef VLO
+#undef VHI
+
+/* ---- AVX-512F: 16 lanes, a run in one 16-byte load, quads of weight rows ---- */
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#define W 16
+#define NSUB 1
+#define NQ 4     /* 4 * 4 accumulators + 4 tables + 8 nibble vectors of 32 registers */
+#define MBQ 4    /* measured best of 2..6 (6 spills: 18 vs 20 Gweights/s at 5 rows) */
+#define CHUNKS 0 /* any number of token rows in registers */
+#define MBF 6
+#define LUT 1 /* dequantize by looking the codes up in the group's 16 values */
+#define SFX _avx512
+typedef __m512 vf_avx512;
+typedef __m512i vi_avx512;
+#define VF vf_avx512
+#define VI vi_avx512
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(f) _mm512_set1_ps(f)
+#define VLOADU(p) _mm512_loadu_ps(p)
+#define VLOAD(p) _mm512_load_ps(p)
+#define VSTORE(p, v) _mm512_store_ps(p, v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+#define VBYTES(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VLO(b) _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))
+#define VHI(b) _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))
+/* the sums of a0, a1, a2 and a3's lanes: a transposing reduction, 9 shuffles and adds */
+static inline __m128 hsum4_512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, v));
+}
+#include "int4.c" /* this file: its body, for this ISA */
+#pragma GCC pop_options
+
+void moeserve_int4_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                                 const uint8_t *q, int64_t ldq, const float *scale,
+                                 const uint8_t *zero, int64_t group_size, float *y, int64_t ldy,
+                                 int wide) {
+    if (wide)
+        gemm_avx512(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy);
+    else
+        gemm_avx2(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy);
+}
+
+/* Routed experts for few rows, one call per MoE layer: the int4 twin of
+ * moeserve_int8_moe_small (int8.c). For each group g (rows [start[g], start[g] + count[g]) of
+ * x, all routed to expert[g]):
+ *   h = x_g @ w13[e]^T                       (gate rows then up rows: [count, 2F])
+ *   a = silu(h[:, :F]) * h[:, F:]            (written over h[:, :F])
+ *   y_g = route_w_g * (a @ w2[e]^T)
+ * w13 is [E, 2F, D] int4 (q13 [E, 2F, D / 2] codes, s13 and z13 [E, 2F, D / G]); w2 is
+ * [E, D, F] (q2 [E, D, F / 2], s2 and z2 [E, D, F / G]); all contiguous, both projections
+ * with the one group size G, which divides D and F. h is scratch of [rows, 2F]. One parallel
+ * region: the threads share out the weight panels of all experts at once. Any number of rows
+ * per expert. */
+void moeserve_int4_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                             const int64_t *count, int64_t D, int64_t F, const float *x,
+                             const uint8_t *q13, const float *s13, const uint8_t *z13,
+                             const uint8_t *q2, const float *s2, const uint8_t *z2,
+                             int64_t group_size, const float *route_w, float *h, float *y,
+                             int wide) {
+    if (wide)
+        moe_avx512(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2, z2,
+                   group_size, route_w, h, y);
+    else
+        moe_avx2(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2, z2, group_size,
+                 route_w, h, y);
+}
+
+/* out[n, :] = the dequantized row n for rows [0, N) (codes ldq bytes apart, scales and zero
+ * points K / G per row, contiguous): the fp32 weight block that a many-row GEMM (prefill)
+ * hands to BLAS. Bound by memory (8 bytes written per byte read): AVX2 only. */
+void moeserve_int4_dequant(int64_t N, int64_t K, const uint8_t *q, int64_t ldq,
+                           const float *scale, const uint8_t *zero, int64_t group_size,
+                           float *out, int64_t ldo) {
+    const int64_t ng = K / group_size;
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qn = q + n * ldq;
+        float *on = out + n * ldo;
+        for (int64_t g = 0; g < ng; g++) {
+            const float sg = scale[n * ng + g];
+            const __m256 s = _mm256_set1_ps(sg);
+            const __m256 nz = _mm256_set1_ps((float)zero[n * ng + g] * -sg);
+            for (int64_t k = g * group_size; k < (g + 1) * group_size; k += RUN) {
+                for (int j = 0; j < 16; j += 8) {
+                    const __m256i b =
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qn + k / 2 + j)));
+                    const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi32(15));
+                    const __m256i hi = _mm256_srli_epi32(b, 4);
+                    _mm256_storeu_ps(on + k + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s, nz));
+                    _mm256_storeu_ps(on + k + 16 + j,
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s, nz));
+                }
+            }
+        }
+    }
+}
+
+#else /* INT4_BODY: the kernels for one ISA, named with the suffix SFX */
+
+/* rows 0..mb-1 of x against the nq (<= NQ) int4 weight rows q + r * ldq (r < nq) with groups
+ * of G columns, dequantized in registers: group g of row r by sn[r * 2 * ng + 2g] (scale) and
+ * [... + 1] (-zero * scale), scale_neg_zero's; y[i * ldy + r] = dot. */
+static inline __attribute__((always_inline)) void CAT(dot_block_q, SFX)(
+    const int mb, const int G, const int nq, int64_t K, const float *x, int64_t ldx,
+    const uint8_t *q, int64_t ldq, const float *sn, float *y, int64_t ldy) {
+    /* independent chains per accumulator: a run's vectors (2 * NSUB of them) spread over up
+     * to 4 for one token row of a pair, 2 while the block has few accumulators, else 1 */
+    const int U = (mb == 1 && NQ == 2) ? (2 * NSUB < 4 ? 2 * NSUB : 4)
+                                       : (mb <= 3 && NQ * mb <= 6 ? 2 : 1);
+    const int64_t ng = K / G;
+    const uint8_t *qr[NQ];
+    const float *sr[NQ];
+#pragma GCC unroll 4
+    for (int r = 0; r < NQ; r++) {
+        const int64_t rr = r < nq ? r : 0; /* rows past nq: row 0 again, not stored */
+        qr[r] = q + rr * ldq;
+        sr[r] = sn + rr * 2 * ng;
+    }
+    VF a[NQ][4][MBQ];
+#pragma GCC unroll 4
+    for (int r = 0; r < NQ; r++)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++)
+#pragma GCC unroll 6
+            for (int i = 0; i < MBQ; i++) a[r][u][i] = VZERO();
+#if LUT
+    const VF iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+#endif
+    for (int64_t g = 0; g < ng; g++) {
+        VF sc[NQ], nz[NQ]; /* the group's scale and -zero * scale (LUT: its 16 values) */
+#pragma GCC unroll 4
+        for (int r = 0; r < NQ; r++) {
+            sc[r] = VSET1(sr[r][2 * g]);
+            nz[r] = VSET1(sr[r][2 * g + 1]);
+#if LUT
+            sc[r] = VFMA(iota, sc[r], nz[r]); /* (u - zero) * scale for u = 0..15 */
+#endif
+        }
+#pragma GCC unroll 4
+        for (int run = 0; run < G / RUN; run++) {
+            const int64_t k = g * G + run * RUN;
+            if ((k & 127) == 0) { /* one cache line of codes per 128 columns */
+#pragma GCC unroll 4
+                for (int r = 0; r < NQ; r++)
+                    _mm_prefetch((const char *)(qr[r] + k / 2 + PREFETCH), _MM_HINT_T0);
+            }
+#pragma GCC unroll 2
+            for (int j = 0; j < NSUB; j++) {
+                VF lo[NQ], hi[NQ]; /* the run's columns j * W.. and 16 + j * W.. of each row */
+#pragma GCC unroll 4
+                for (int r = 0; r < NQ; r++) {
+                    const VI b = VBYTES(qr[r] + k / 2 + j * W);
+#if LUT /* vpermps reads the low 4 bits of each index lane */
+                    lo[r] = _mm512_permutexvar_ps(b, sc[r]);
+                    hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), sc[r]);
+#else
+                    lo[r] = VFMA(VLO(b), sc[r], nz[r]);
+                    hi[r] = VFMA(VHI(b), sc[r], nz[r]);
+#endif
+                }
+                const int ul = (2 * j) & (U - 1), uh = (2 * j + 1) & (U - 1);
+#pragma GCC unroll 6
+                for (int i = 0; i < MBQ; i++) {
+                    if (i < mb) {
+                        const float *xi = x + i * ldx + k + j * W;
+                        const VF xl = VLOADU(xi), xh = VLOADU(xi + 16);
+#pragma GCC unroll 4
+                        for (int r = 0; r < NQ; r++) {
+                            a[r][ul][i] = VFMA(xl, lo[r], a[r][ul][i]);
+                            a[r][uh][i] = VFMA(xh, hi[r], a[r][uh][i]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < MBQ; i++) {
+        if (i < mb) {
+#pragma GCC unroll 4
+            for (int r = 0; r < NQ; r++)
+#pragma GCC unroll 4
+                for (int u = 1; u < 4; u++)
+                    if (u < U) a[r][0][i] = VADD(a[r][0][i], a[r][u][i]);
+#if NQ == 4
+            const __m128 d = hsum4_512(a[0][0][i], a[1][0][i], a[2][0][i], a[3][0][i]);
+            if (nq == 4) {
+                _mm_storeu_ps(y + i * ldy, d);
+            } else {
+                float t[4];
+                _mm_storeu_ps(t, d);
+                for (int r = 0; r < nq; r++) y[i * ldy + r] = t[r];
+            }
+#else
+#pragma GCC unroll 4
+            for (int r = 0; r < nq; r++) y[i * ldy + r] = VHSUM(a[r][0][i]);
+#endif
+        }
+    }
+}
+
+/* rows 0..mb-1 of x (already offset to the chunk) against fp32 rows w0 and w1 of length kc
+ * (a multiple of W); y[i] = dot when first, else y[i] += dot. As int8.c. */
+static inline __attribute__((always_inline)) void CAT(dot_block_f, SFX)(
+    const int mb, const int two, int first, int64_t kc, const float *x, int64_t ldx,
+    const float *w0, const float *w1, float *y, int64_t ldy) {
+    VF a0[MBF], a1[MBF];
+#pragma GCC unroll 12
+    for (int i = 0; i < MBF; i++) {
+        a0[i] = VZERO();
+        a1[i] = VZERO();
+    }
+    for (int64_t k = 0; k < kc; k += W) {
+        const VF v0 = VLOAD(w0 + k), v1 = VLOAD(w1 + k);
+#pragma GCC unroll 12
+        for (int i = 0; i < MBF; i++) {
+            if (i < mb) {
+                const VF xv = VLOADU(x + i * ldx + k);
+                a0[i] = VFMA(xv, v0, a0[i]);
+                a1[i] = VFMA(xv, v1, a1[i]);
+            }
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MBF; i++) {
+        if (i < mb) {
+            const float d0 = VHSUM(a0[i]), d1 = VHSUM(a1[i]);
+            y[i * ldy] = first ? d0 : y[i * ldy] + d0;
+            if (two) y[i * ldy + 1] = first ? d1 : y[i * ldy + 1] + d1;
+        }
+    }
+}
+
+/* All M rows of x against a panel of `rows` (<= PANEL) int4 weight rows q + r * ldq (bytes)
+ * with the scales and zero points of their K / G groups at scale + r * K / G, zero + ...;
+ * y[i, r] for i < M, r < rows. */
+static void CAT(panel_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t ldx,
+                                 const uint8_t *q, int64_t ldq, const float *scale,
+                                 const uint8_t *zero, int64_t G, int64_t rows, float *y,
+                                 int64_t ldy) {
+    const int64_t ng = K / G;
+    if (!CHUNKS || M <= MBQ) {
+        /* in registers: NQ weight rows at a time against blocks of at most MBQ token rows
+         * (near-equal), the NQ rows' codes staying in L1 across the blocks */
+        float sn[PANEL * 2 * ng];
+        scale_neg_zero(rows * ng, zero, scale, sn); /* the panel's rows back to back */
+        const int64_t nb = (M + MBQ - 1) / MBQ;
+        for (int64_t r = 0; r < rows; r += NQ) {
+            const int nq = rows - r < NQ ? (int)(rows - r) : NQ;
+            for (int64_t b = 0, m0 = 0; b < nb; b++) {
+                const int64_t mb = (M - m0 + nb - b - 1) / (nb - b);
+#define CALL_Q(n, GC)                                                                       \
+    CAT(dot_block_q, SFX)(n, GC, nq, K, x + m0 * ldx, ldx, q + r * ldq, ldq, sn + r * 2 * ng, \
+                          y + m0 * ldy + r, ldy)
+#define CALL_QG(n) DISPATCH_G(G, n, CALL_Q)
+                DISPATCH_FEW(mb, MBQ, CALL_QG)
+#undef CALL_QG
+#undef CALL_Q
+                m0 += mb;
+            }
+        }
+        return;
+    }
+    /* chunks of KC columns (whole groups): dequantize the panel's rows once into buf, then
+     * for each block of MBF token rows sweep the panel's pairs, so the block's x chunk stays
+     * in cache across them */
+    float buf[PANEL][KC] __attribute__((aligned(64)));
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *qr = q + r * ldq;
+            for (int64_t k = 0; k < kc; k += G) {
+                const int64_t g = r * ng + (k0 + k) / G;
+                const VF s = VSET1(scale[g]), nz = VSET1((float)zero[g] * -scale[g]);
+                for (int64_t c = k; c < k + G; c += RUN) {
+                    const uint8_t *p = qr + (k0 + c) / 2;
+                    if ((c & 127) == 0) _mm_prefetch((const char *)(p + PREFETCH), _MM_HINT_T0);
+#pragma GCC unroll 2
+                    for (int j = 0; j < NSUB; j++) {
+                        const VI b = VBYTES(p + j * W);
+                        VSTORE(buf[r] + c + j * W, VFMA(VLO(b), s, nz));
+                        VSTORE(buf[r] + c + 16 + j * W, VFMA(VHI(b), s, nz));
+                    }
+                }
+            }
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += MBF) {
+            const int64_t mb = M - m0 < MBF ? M - m0 : MBF;
+            const float *xm = x + m0 * ldx + k0;
+            float *ym = y + m0 * ldy;
+            for (int64_t r = 0; r < rows; r += 2) {
+                const int two = r + 1 < rows;
+                const float *w0 = buf[r], *w1 = buf[r + two];
+#define CALL_F(n) CAT(dot_block_f, SFX)(n, two, k0 == 0, kc, xm, ldx, w0, w1, ym + r, ldy)
+                DISPATCH_MB(mb, MBF, CALL_F)
+#undef CALL_F
+            }
+        }
+    }
+}
+
+static void CAT(gemm, SFX)(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                           const uint8_t *q, int64_t ldq, const float *scale,
+                           const uint8_t *zero, int64_t G, float *y, int64_t ldy) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, ng = K / G;
+    int64_t pass = X_PASS_BYTES / (4 * K);
+    pass = pass < X_PASS_MIN_ROWS ? X_PASS_MIN_ROWS : pass;
+#pragma omp parallel if (N * K >= 65536)
+    for (int64_t m0 = 0; m0 < M; m0 += pass) { /* each pass's rows of x over all panels */
+        const int64_t mc = M - m0 < pass ? M - m0 : pass;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t n0 = p * PANEL, rows = N - n0 < PANEL ? N - n0 : PANEL;
+            CAT(panel_rows, SFX)(mc, K, x + m0 * ldx, ldx, q + n0 * ldq, ldq, scale + n0 * ng,
+                                 zero + n0 * ng, G, rows, y + m0 * ldy + n0, ldy);
+        }
+    }
+}
+
+static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                          const int64_t *count, int64_t D, int64_t F, const float *x,
+                          const uint8_t *q13, const float *s13, const uint8_t *z13,
+                          const uint8_t *q2, const float *s2, const uint8_t *z2, int64_t G,
+                          const float *route_w, float *h, float *y) {
+    const int64_t panels13 = (2 * F + PANEL - 1) / PANEL, panels2 = (D + PANEL - 1) / PANEL;
+    const int64_t ng13 = D / G, ng2 = F / G; /* groups per row of each projection */
+#pragma omp parallel
+    {
+        /* contiguous shares of equal cost, as in fp32.c */
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t lo13, end13;
+        moe_share(n_groups, count, panels13, t, nt, &lo13, &end13);
+        for (int64_t job = lo13; job < end13; job++) {
+            const int64_t g = job / panels13, n0 = (job % panels13) * PANEL, e = expert[g];
+            const int64_t nr = 2 * F - n0 < PANEL ? 2 * F - n0 : PANEL, row = e * 2 * F + n0;
+            CAT(panel_rows, SFX)(count[g], D, x + start[g] * D, D, q13 + row * (D / 2), D / 2,
+                                 s13 + row * ng13, z13 + row * ng13, G, nr,
+                                 h + start[g] * 2 * F + n0, 2 * F);
+        }
+        moe_activation_phase(n_groups, start, count, F, h, t, nt);
+        int64_t lo2, end2;
+        moe_share(n_groups, count, panels2, t, nt, &lo2, &end2);
+        for (int64_t job = lo2; job < end2; job++) {
+            const int64_t g = job / panels2, n0 = (job % panels2) * PANEL, e = expert[g];
+            const int64_t nr = D - n0 < PANEL ? D - n0 : PANEL, row = e * D + n0;
+            float *yg = y + start[g] * D + n0;
+            CAT(panel_rows, SFX)(count[g], F, h + start[g] * 2 * F, 2 * F, q2 + row * (F / 2),
+                                 F / 2, s2 + row * ng2, z2 + row * ng2, G, nr, yg, D);
+            for (int64_t r = 0; r < count[g]; r++) {
+                const float w = route_w[start[g] + r];
+                for (int64_t c = 0; c < nr; c++) yg[r * D + c] *= w;
+            }
+        }
+    }
+}
+
+#endif /* INT4_BODY */

@@ -1,0 +1,232 @@
+"""The int4 kernels against their pure-torch references (``ops/cpu/int4.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.ops.cpu import build, int4
+from moeserve.ops.cpu.bound import MoEBuffers
+from moeserve.quant.int4 import Int4Tensor, Int4Weight, pack_nibbles, quantize_groups
+
+needs_kernels = pytest.mark.skipif(
+    not int4.available(), reason="no AVX2/FMA CPU or no C compiler: the references are used"
+)
+# both variants of every kernel where this CPU runs them (AVX2 always, AVX-512F if present)
+ISAS = [False, True] if int4.available() and int4.wide() else [False]
+# on both sides of a register block (AVX2: 6 rows, then the fp32 chunks; AVX-512: blocks of
+# 4 over quads of weight rows), past the GEMM's MAX_ROWS (64) through gemm_nt directly
+ROWS = [1, 2, 3, 4, 5, 6, 7, 12, 13, 31, 64, 100]
+
+
+def weights(N: int, K: int, G: int, kind: str, seed: int) -> Int4Tensor:
+    """``[N, K]`` int4 rows with groups of ``G``: fp32 quantized symmetric or asymmetric, or
+    random codes, zero points (any of 0..15) and scales."""
+    g = torch.Generator().manual_seed(seed)
+    if kind != "codes":
+        w = torch.randn(N, K, generator=g)
+        return Int4Tensor(*quantize_groups(w, G, symmetric=kind == "symmetric"))
+    u = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    zero = torch.randint(0, 16, (N, K // G), generator=g, dtype=torch.uint8)
+    scale = torch.rand(N, K // G, generator=g) * 0.1
+    return Int4Tensor(pack_nibbles(u), scale, zero)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 sums in another order (and dequantizing as u * s - z * s): relative to the
+    result's magnitude."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max()))
+
+
+def _shapes():
+    for N, K in [(64, 32), (33, 96), (130, 128), (7, 384), (1, 384), (20, 1152)]:
+        for G in (32, 64, 128):
+            if K % G == 0:
+                yield N, K, G
+
+
+@needs_kernels
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("kind", ["symmetric", "asymmetric", "codes"])
+@pytest.mark.parametrize("N,K,G", list(_shapes()))
+def test_gemm_matches_reference(N, K, G, kind, avx512):
+    """N not a multiple of the panel (8) or of a quad, K of one run (32) up to past one
+    dequantized chunk (1024 columns), every group size that divides K."""
+    w = weights(N, K, G, kind, N * 1000 + K + G)
+    g = torch.Generator().manual_seed(K)
+    for M in ROWS:
+        x = torch.randn(M, K, generator=g)
+        assert int4.usable(x, w) == (M <= int4.MAX_ROWS or int4.wide())
+        assert_close(int4.gemm_nt(x, w, avx512=avx512), int4.linear_int4_ref(x, w))
+
+
+@needs_kernels
+@pytest.mark.skipif(ISAS != [False, True], reason="any number of rows needs AVX-512F")
+@pytest.mark.parametrize("M", [65, 129, 300])
+def test_gemm_many_rows(M):
+    """With AVX-512 the GEMM takes any number of rows, in passes of at least 64 rows (here
+    64: K = 2048) over the weight; strided x rows and output columns."""
+    N, K = 70, 2048
+    w = weights(N, K, 64, "asymmetric", M)
+    x = torch.randn(M, K + 3, generator=torch.Generator().manual_seed(M))[:, :K]
+    assert int4.usable(x, w)
+    out = torch.full((M, N + 20), 7.0)
+    int4.gemm_nt(x, w, out=out[:, 10 : N + 10], avx512=True)
+    assert_close(out[:, 10 : N + 10], int4.linear_int4_ref(x, w))
+    assert (out[:, :10] == 7).all() and (out[:, N + 10 :] == 7).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("M", [1, 3, 7, 20])
+def test_strided_rows_and_out(M, avx512):
+    """x rows and code rows with a stride, a slice of a wider output left intact around."""
+    K, G, N = 128, 32, 42
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K + 40, generator=g)[:, 16 : 16 + K]
+    full = weights(50, K, G, "asymmetric", M)
+    wide_q = torch.zeros(50, K // 2 + 24, dtype=torch.uint8)
+    wide_q[:, 8 : 8 + K // 2] = full.q
+    w = Int4Tensor(wide_q[3 : 3 + N, 8 : 8 + K // 2], full.scale[3 : 3 + N], full.zero[3 : 3 + N])
+    assert w.q.stride(0) == K // 2 + 24 and int4.usable(x, w)
+    out = torch.full((M, N + 20), 7.0)
+    int4.gemm_nt(x, w, out=out[:, 10 : N + 10], avx512=avx512)
+    assert_close(out[:, 10 : N + 10], int4.linear_int4_ref(x, full[3 : 3 + N]))
+    assert (out[:, :10] == 7).all() and (out[:, N + 10 :] == 7).all()
+
+
+@needs_kernels
+def test_bound_gemm():
+    """The bound call for decode rows (into ``out`` too); more rows than MAX_ROWS (with
+    either ISA), or another dtype, go to the fallback."""
+    w = weights(72, 256, 64, "asymmetric", 3)
+    calls = []
+
+    def fallback(x):
+        calls.append(x.shape[0])
+        return int4.linear_int4_ref(x, w)
+
+    bound = int4.bind_gemm(w, fallback)
+    assert bound is not None and [t for t, _ in bound.pointers] == [w.q, w.scale, w.zero]
+    for M in (1, 5, 64):
+        x = torch.randn(M, 256)
+        assert_close(bound(x), int4.linear_int4_ref(x, w))
+        out = torch.empty(M, 72)
+        assert bound(x, out) is out
+        assert_close(out, int4.linear_int4_ref(x, w))
+    assert not calls
+    x = torch.randn(65, 256)
+    assert_close(bound(x), int4.linear_int4_ref(x, w))
+    bound(x.bfloat16())
+    assert calls == [65, 65]
+    assert int4.bind_gemm(Int4Tensor(w.q, w.scale.t().contiguous().t(), w.zero), fallback) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["symmetric", "codes"])
+@pytest.mark.parametrize("N,K,G", [(1, 32, 32), (37, 384, 128), (300, 192, 64)])
+def test_dequantize_into(N, K, G, kind):
+    """Into a wider fp32 buffer (rows ldo apart), rows of a bigger weight."""
+    w = weights(N + 5, K, G, kind, N)[2 : N + 2]
+    buf = torch.full((N, K + 8), 3.0)
+    got = int4.dequantize_into(w, buf[:, :K])
+    assert got.data_ptr() == buf.data_ptr()
+    want = w.dequantize()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max())
+    assert (buf[:, K:] == 3).all()
+
+
+def _moe_weights(E, D, Fd, G, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    sym = kind == "symmetric"
+    w13 = Int4Tensor(*quantize_groups(torch.randn(E, 2 * Fd, D, generator=g), G, sym))
+    w2 = Int4Tensor(*quantize_groups(torch.randn(E, D, Fd, generator=g), G, sym))
+    return w13, w2
+
+
+@needs_kernels
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("mkl_min_rows", [None, 20, 1])
+@pytest.mark.parametrize("D,Fd,G,kind", [(64, 96, 32, "asymmetric"), (128, 256, 128, "symmetric")])
+def test_moe_matches_reference(avx512, mkl_min_rows, D, Fd, G, kind, monkeypatch):
+    """Uneven groups (1 to 150 rows: past fp32.MAX_ROWS, where the call splits a group), of
+    experts out of order; the groups of mkl_min_rows rows or more dequantized for MKL beside
+    the kernel (none, a mix with big ones first and last, all)."""
+    monkeypatch.setattr(int4, "MKL_MIN_ROWS", mkl_min_rows)
+    monkeypatch.setattr(int4, "MKL_MIN_ROWS_WIDE", mkl_min_rows)
+    counts = [30, 3, 25, 1, 150, 7, 22]
+    experts = [5, 0, 2, 6, 1, 3, 4]
+    w13, w2 = _moe_weights(7, D, Fd, G, kind, D + G)
+    g = torch.Generator().manual_seed(Fd)
+    R = sum(counts)
+    x, weight = torch.randn(R, D, generator=g), torch.rand(R, generator=g)
+    assert int4.moe_usable(x, counts, w13, w2)
+    got = int4.moe_experts(x, experts, counts, w13, w2, weight, avx512)
+    assert_close(got, int4.moe_int4_ref(x, experts, counts, w13, w2, weight))
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_bound_moe(T):
+    """The decode step's bound call over sorted rows in MoEBuffers, reused for two routings;
+    experts with no rows left out."""
+    E, D, Fd, G = 8, 64, 32, 32
+    w13, w2 = _moe_weights(E, D, Fd, G, "asymmetric", T)
+    bound = int4.BoundMoE.bind(w13, w2)
+    assert bound is not None
+    g = torch.Generator().manual_seed(T)
+    R = 2 * T
+    buffers = MoEBuffers.empty(R, D, Fd, E)
+    bound.prepare(buffers)
+    for _ in range(2):
+        ids = torch.randint(0, E, (R,), generator=g).sort().values
+        counts_E = torch.bincount(ids, minlength=E).tolist()
+        experts = [e for e in range(E) if counts_E[e]]
+        counts = [counts_E[e] for e in experts]
+        starts = torch.tensor(counts).cumsum(0) - torch.tensor(counts)
+        G_ = len(experts)
+        buffers.meta[:, :G_] = torch.tensor([experts, starts.tolist(), counts])
+        buffers.x_sorted.copy_(torch.randn(R, D, generator=g))
+        buffers.weight.copy_(torch.rand(R, generator=g))
+        got = bound.run(G_)
+        assert got is buffers.y_sorted
+        want = int4.moe_int4_ref(buffers.x_sorted, experts, counts, w13, w2, buffers.weight)
+        assert_close(got, want)
+
+
+def test_group_sizes_the_kernels_take():
+    """One group size for both MoE projections, and one of 32, 64, 128 (an Int4Tensor built
+    by hand may have another)."""
+    w13, _ = _moe_weights(2, 64, 64, 64, "symmetric", 0)
+    _, w2 = _moe_weights(2, 64, 64, 32, "symmetric", 0)
+    x = torch.randn(3, 64)
+    assert not int4.moe_usable(x, [3], w13, w2)
+    assert int4.BoundMoE.bind(w13, w2) is None
+    w = weights(8, 256, 128, "codes", 0)
+    w256 = Int4Tensor(w.q, w.scale[:, :1].contiguous(), w.zero[:, :1].contiguous())
+    assert w256.group_size == 256
+    assert not int4.usable(torch.randn(1, 256), w256)
+    assert int4.bind_gemm(w256, lambda x: x) is None
+
+
+def test_reference_fallback_without_kernels(monkeypatch):
+    """MOESERVE_CPU_KERNELS=0: no library, so nothing takes the kernels and the projection
+    runs the reference."""
+    monkeypatch.setenv("MOESERVE_CPU_KERNELS", "0")
+    assert build.load.__wrapped__(int4._SOURCE) is None  # what _library() then holds
+    monkeypatch.setattr(int4, "available", lambda: False)
+    w = Int4Weight((50, 64), group_size=32, symmetric=False)
+    w.copy_(torch.randn(50, 64))
+    w13, w2 = _moe_weights(2, 64, 32, 32, "symmetric", 1)
+    assert int4.bind_gemm(w.data, lambda x: x) is None
+    assert int4.BoundMoE.bind(w13, w2) is None
+    assert not int4.moe_usable(torch.randn(3, 64), [3], w13, w2)
+    for M in (1, 100):
+        x = torch.randn(M, 64)
+        assert not int4.usable(x, w.data)
+        want = F.linear(x, w.dequantize())
+        torch.testing.assert_close(int4.linear_int4_ref(x, w.data), want)
+        from moeserve.ops.linear import linear  # the int4 format's dispatch
+
+        torch.testing.assert_close(linear(x, w), want, rtol=1e-5, atol=1e-4)
