@@ -119,6 +119,40 @@ def outlier_copy(src: Path, dst: Path, seed: int = 0) -> Path:
     return dst
 
 
+@torch.no_grad()
+def weight_errors(model_dir: Path, int4_groups: list[int], seed: int = 0) -> dict[str, dict]:
+    """Per format, over every weight the formats convert: the relative RMS error of the
+    weight as held (``|W_q - W| / |W|``) and of a projection of Gaussian rows
+    (``|x W_q^T - x W^T| / |x W^T|``), averaged over the tensors. Unlike the end-to-end
+    figures this does not saturate on a chaotic random model."""
+    from safetensors.torch import load_file
+
+    def int8(w):
+        q, s = quantize_rows(w)
+        return q.float() * s.unsqueeze(-1)
+
+    held = {"int8": int8}
+    for G in int4_groups:
+        held[f"int4-g{G}"] = lambda w, G=G: dequantize_groups(*quantize_groups(w, G))
+        held[f"int4-g{G}a"] = lambda w, G=G: dequantize_groups(*quantize_groups(w, G, False))
+    sums = {k: [0.0, 0.0] for k in held}
+    n = 0
+    g = torch.Generator().manual_seed(seed)
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, t in load_file(str(path)).items():
+            if t.dim() != 2 or "embed_tokens" in name or name.endswith("mlp.gate.weight"):
+                continue
+            w = t.float()
+            x = torch.randn(16, w.shape[1], generator=g)
+            y = x @ w.t()
+            for k, fn in held.items():
+                wq = fn(w)
+                sums[k][0] += float((wq - w).norm() / w.norm())
+                sums[k][1] += float((x @ wq.t() - y).norm() / y.norm())
+            n += 1
+    return {k: {"weight_rel_err": a / n, "output_rel_err": b / n} for k, (a, b) in sums.items()}
+
+
 def compare(ref: dict, got: dict) -> dict:
     pairs = [(a, b) for pa, pb in zip(ref["positions"], got["positions"]) for a, b in zip(pa, pb)]
     diffs = [abs(a[0] - b[0]) for a, b in pairs]
@@ -261,6 +295,13 @@ def main() -> None:
         result["bf16_oracle_is_fp32"] = True
         print("(the bf16 oracle equals fp32: the checkpoint's weights are bf16 already, so")
         print(" bf16w differs from fp32 only by the activations rounded inside its GEMMs)")
+    errors = weight_errors(Path(model), groups)
+    result["weight_errors"] = errors
+    print("\nper weight, averaged over the converted tensors (relative RMS errors):")
+    print("| format | weight | output of Gaussian rows |")
+    print("|---|---:|---:|")
+    for name, e in errors.items():
+        print(f"| {name} | {e['weight_rel_err']:.2e} | {e['output_rel_err']:.2e} |")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out} ({result['seconds']} s)")
 

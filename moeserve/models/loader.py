@@ -61,6 +61,9 @@ def load_model(
         checkpoint_quantization(model_dir, weight_format)
         c = config.int4
         weight_format = formats.get("int4").configured(c.group_size, c.symmetric, c.act_order)
+    if weight_format is not None:
+        fmt = formats.get(weight_format) if isinstance(weight_format, str) else weight_format
+        fmt.check_device(torch.device(device))
     groups = groups or ParallelGroups.single()
     check_layout(config, groups.dims, moe_options or MoEOptions())
     if load_mtp and config.num_nextn_predict_layers:

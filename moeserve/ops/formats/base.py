@@ -81,6 +81,9 @@ class WeightFormat:
         """Whether this format's fast kernels run on this machine."""
         return False
 
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError when this format cannot serve on ``device`` (checked at load)."""
+
     # -- load ---------------------------------------------------------------------------
 
     def make_weight(self, p: nn.Parameter) -> nn.Module | nn.Parameter:

@@ -23,6 +23,7 @@ import torch
 
 from moeserve.ops.cpu import int4 as int4_kernels
 from moeserve.ops.formats.base import WeightFormat, into_fp32_out, through_fp32_rows
+from moeserve.platform import cpu_flags
 from moeserve.quant.int4 import DEFAULT_GROUP_SIZE, Int4Tensor, Int4Weight, as_int4, check_group
 
 _BLOCK_BYTES = 1 << 20  # fp32 bytes of dequantized weight per block: stays in L2
@@ -59,6 +60,15 @@ class Int4Format(WeightFormat):
 
     def kernels_available(self) -> bool:
         return int4_kernels.available()
+
+    def check_device(self, device):
+        """A CPU without AVX2 and FMA has no int4 kernel: its torch reference dequantizes every
+        weight per call, far slower than the formats it would replace, so it is refused."""
+        if device.type == "cpu" and not {"avx2", "fma"} <= cpu_flags():
+            raise ValueError(
+                "--quantization int4 needs a CPU with AVX2 and FMA (its kernels); this CPU "
+                "lacks them: use int8 or bf16"
+            )
 
     def make_weight(self, p):
         shape = tuple(p.shape)

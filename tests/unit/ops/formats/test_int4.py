@@ -215,3 +215,27 @@ def test_a_group_that_does_not_divide_a_dimension_fails_the_load(checkpoints):
             int4_group_size=64,
             **ENGINE,
         )
+
+
+def test_int4_on_a_cpu_without_avx2_is_refused_at_load(checkpoints, monkeypatch):
+    from moeserve.ops.formats import int4 as int4_format
+
+    monkeypatch.setattr(int4_format, "cpu_flags", lambda: frozenset({"sse4_2"}))
+    with pytest.raises(ValueError, match="int4 needs a CPU with AVX2 and FMA"):
+        load_model(checkpoints["deepseek_v3"], torch.float32, weight_format="int4")
+
+
+def test_mtp_drafts_keep_int4_greedy_outputs(tmp_path):
+    """The MTP layer's projections are int4 too; drafts verified by the int4 model leave its
+    greedy outputs as they are."""
+    from tests.mtp_checkpoint import save_mtp_checkpoint
+
+    ckpt = save_mtp_checkpoint(tmp_path / "mtp")[2]
+    kw = dict(quantization="int4", int4_group_size=32, **ENGINE)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = LLM(model=str(ckpt), **kw).generate(PROMPTS, params)
+    llm = LLM(model=str(ckpt), speculative_num_tokens=2, **kw)
+    got = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert isinstance(llm.engine.model.mtp_layers[0].eh_proj.weight, Int4Weight)
+    assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
