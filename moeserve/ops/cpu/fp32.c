@@ -143,8 +143,9 @@ static void rows_f32(int64_t M, int64_t K, const float *x, int64_t ldx, const fl
 /* prefill MoE: experts with many rows through packed panels */
 #define PK_T float
 #define PK_SFX _f32
-#define PK_PACK(K, w, ldw, s, nc, buf) pack_panel(K, w, ldw, nc, buf)
-#define PK_ROWS(M, K, x, ldx, w, ldw, s, nc, y, ldy) rows_f32(M, K, x, ldx, w, ldw, nc, y, ldy)
+#define PK_PACK(K, r, buf) pack_panel(K, (const float *)(r)->w, (r)->ld, (r)->nr, buf)
+#define PK_ROWS(M, K, x, ldx, r, y, ldy) \
+    rows_f32(M, K, x, ldx, (const float *)(r)->w, (r)->ld, (r)->nr, y, ldy)
 #include "moe_packed.h"
 #pragma GCC pop_options
 
@@ -172,7 +173,8 @@ void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *
     int64_t most = 0;
     for (int64_t g = 0; g < n_groups; g++) most = count[g] > most ? count[g] : most;
     if (wide && most >= PACK_MIN_ROWS)
-        moe_panels_f32(n_groups, expert, start, count, D, F, x, w13, 0, w2, 0, route_w, h, y);
+        moe_panels_f32(n_groups, expert, start, count, D, F, x, w13, 0, 0, w2, 0, 0, 0, route_w,
+                       h, y);
     else if (wide && most >= WIDE_MIN_ROWS)
         moe_avx512(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
     else

@@ -1,4 +1,4 @@
-/* Weight-only int4 kernels for few token rows: fp32 activations, group-wise 4-bit weights
+/* Weight-only int4 kernels: fp32 activations, group-wise 4-bit weights
  * (quant/int4.py): codes u in [0, 15] with an fp32 scale and a uint8 zero point per group of
  * G = 32, 64 or 128 columns of a row,
  *
@@ -47,6 +47,18 @@
  * where the memory gives int8 75 GB/s (this host's bandwidth varies with its other tenants).
  * From 4 token rows both are bound by the dot FMAs (1 per 16 weights and row): int8's speed.
  *
+ * Prefill (AVX-512, tens of rows and more): the register form's lookups per weight and token
+ * row come on top of the FMAs, so from Q4_GEMM_PACK_MIN_ROWS rows (GEMM) and for experts of
+ * Q4_PACK_MIN_ROWS rows or more (MoE call) the rows run as int8's do, through moe_packed.h:
+ * each panel of 64 weight rows dequantized once into fp32 [K, 64] (pack_panel_q4: the codes
+ * transposed as bytes, then one FMA per 16 weights with the rows' group scale and -zero *
+ * scale; ~25 Gweights/s in L2, pack_panel_q8's speed), then 6-row outer-product tiles.
+ * Measured, 2 threads: GEMM 4096 x 2048 group 128 at 24/32/40/48/96/256 rows, registers
+ * 0.89/1.18/1.45/1.73/3.50/9.31 ms, panels 1.14/1.24/1.47/1.72/3.25/8.37 (int8 8.36 at 256;
+ * group 32 at 256 rows 10.5 -> 8.4); 32000 x 1024 at 64 rows 9.07 -> 8.31. The benchmark
+ * model's MoE layer (64 experts, D 1024, F 512, top 6, group 128): 512 tokens (48 rows an
+ * expert) 24.1 -> 21.9 ms (int8 21.5), 2048 tokens 102.4 -> 80.3 (int8 78.6).
+ *
  * The body is compiled twice (this file includes itself): for AVX2+FMA, the baseline, and for
  * AVX-512F with `#pragma GCC target`; the caller picks one per call (`wide`), ops/cpu/int4.py
  * from the CPU's flags. Pure-torch references: ops/cpu/int4.py (linear_int4_ref, moe_int4_ref).
@@ -68,6 +80,16 @@
 #define PREFETCH 8192 /* bytes ahead on each weight row: measured best of 1024..16384 */
 #endif
 #define RUN 32 /* columns per packed run of 16 bytes */
+/* AVX-512: rows from which an expert of a MoE call packs its panels (512 tokens, packing
+ * from 24/32/48/64 rows: 22.0/21.9/22.8/23.6 ms; at 24-31 rows the register form beats int8's
+ * panels: 256 tokens 11.9 against 15.5 ms), and from which a GEMM does (32 rows: registers
+ * 4-12% faster on the shapes above, 40: panels as fast or faster) */
+#ifndef Q4_PACK_MIN_ROWS
+#define Q4_PACK_MIN_ROWS 32
+#endif
+#ifndef Q4_GEMM_PACK_MIN_ROWS
+#define Q4_GEMM_PACK_MIN_ROWS 40
+#endif
 /* Rows of x per pass over the weight (many-row calls), so they stay in cache across its
  * panels: 512 KB of them, at least 64 rows (decode batches in one pass). One thread, AVX-512,
  * 2048 x 4096 weight, 2048 rows: 150 ms in passes of 32 rows, 484 in one. */
@@ -210,13 +232,124 @@ static inline __m128 hsum4_512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, v));
 }
 #include "int4.c" /* this file: its body, for this ISA */
+
+#include "panels.h"
+
+/* The 16 x 16 bytes r[i][j] transposed: r[j][i] <- r[i][j] if r[i] holds row bitrev4(i)
+ * (4 rounds of interleaving row i with row i + 8, bytes then words, dwords and qwords, leave
+ * the rows in bit-reversed order). 64 xmm shuffles for 16 x 32 int4 columns, where a dword
+ * transpose (transpose16) of the widened codes takes 128 zmm ones. */
+static inline __attribute__((always_inline)) void transpose16_u8(__m128i *r) {
+    __m128i t[16];
+#define ROUND(W)                                                 \
+    for (int i = 0; i < 8; i++) {                                \
+        t[2 * i] = _mm_unpacklo_epi##W(r[i], r[i + 8]);          \
+        t[2 * i + 1] = _mm_unpackhi_epi##W(r[i], r[i + 8]);      \
+    }                                                            \
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+    ROUND(8) ROUND(16) ROUND(32) ROUND(64)
+#undef ROUND
+}
+
+/* buf[k * PK_NR + c] = (u[c, k] - z[c, k / G]) * s[c, k / G] for c < nc (<= PK_NR; columns
+ * past nc are 0): the rows' codes q + c * ldq (scales and zero points K / G per row) as a
+ * packed panel. Per 16 rows and run of 32 columns: the 16 rows' 16 code bytes transposed as
+ * bytes (transpose16_u8), so that byte vector j holds columns j (low nibbles) and 16 + j
+ * (high) of the 16 rows; each widened once and dequantized by one vector of the rows' group
+ * scales and one of their -zero * scale (2 registers per group). */
+static inline void pack_panel_q4(int64_t K, const uint8_t *q, int64_t ldq, const float *s,
+                                 const uint8_t *z, int64_t G, int nc, float *buf) {
+    static const int bitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    const int64_t ng = K / G;
+    const __m512i low = _mm512_set1_epi32(15);
+    float sn_buf[ng * 32] __attribute__((aligned(64)));
+    for (int v = 0; v < PK_NV; v++) {
+        const int c0 = 16 * v;
+        const int live = nc - c0 <= 0 ? 0 : (nc - c0 >= 16 ? 16 : nc - c0);
+        /* sn[g][0][j], sn[g][1][j]: group g's scale and -zero * scale of row j, 16 groups of
+         * the 16 rows at a time read row by row and transposed (gathering them per group, 16
+         * rows K / G apart, was slower: at G = 32, 18 -> 24 Gweights/s packed in L2) */
+        float(*sn)[2][16] = (float(*)[2][16])sn_buf;
+        for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+            const int ngr = ng - g0 < 16 ? (int)(ng - g0) : 16;
+            const __mmask16 m = (__mmask16)((1u << ngr) - 1u);
+            __m512 sc[16], nz[16];
+            for (int j = 0; j < 16; j++) {
+                const int64_t i = (c0 + j) * ng + g0;
+                sc[j] = j < live ? _mm512_maskz_loadu_ps(m, s + i) : _mm512_setzero_ps();
+                __m128i zb = _mm_setzero_si128();
+                if (j < live && ngr == 16) {
+                    zb = _mm_loadu_si128((const __m128i *)(z + i));
+                } else if (j < live) { /* fewer than 16 groups left (AVX-512F: no byte mask) */
+                    uint8_t t[16] = {0};
+                    for (int gg = 0; gg < ngr; gg++) t[gg] = z[i + gg];
+                    zb = _mm_loadu_si128((const __m128i *)t);
+                }
+                const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(zb));
+                nz[j] = _mm512_mul_ps(zf, _mm512_sub_ps(_mm512_setzero_ps(), sc[j]));
+            }
+            transpose16(sc);
+            transpose16(nz);
+            for (int gg = 0; gg < ngr; gg++) {
+                _mm512_store_ps(sn[g0 + gg][0], sc[gg]);
+                _mm512_store_ps(sn[g0 + gg][1], nz[gg]);
+            }
+        }
+        for (int64_t g = 0; g < ng; g++) {
+            const __m512 S = _mm512_loadu_ps(sn[g][0]), NZ = _mm512_loadu_ps(sn[g][1]);
+            for (int64_t k = g * G; k < (g + 1) * G; k += RUN) {
+                __m128i r[16];
+                for (int i = 0; i < 16; i++) {
+                    const int row = bitrev4[i];
+                    r[i] = row < live
+                               ? _mm_loadu_si128((const __m128i *)(q + (c0 + row) * ldq + k / 2))
+                               : _mm_setzero_si128();
+                }
+                transpose16_u8(r);
+                for (int j = 0; j < 16; j++) {
+                    const __m512i b = _mm512_cvtepu8_epi32(r[j]);
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                    _mm512_store_ps(buf + (k + j) * PK_NR + c0, _mm512_fmadd_ps(lo, S, NZ));
+                    _mm512_store_ps(buf + (k + 16 + j) * PK_NR + c0, _mm512_fmadd_ps(hi, S, NZ));
+                }
+            }
+        }
+    }
+}
+
+/* y[:M, :nc] = x @ w^T for nc int4 rows through the register panels: moe_packed.h's few-row
+ * path */
+static void rows_q4(int64_t M, int64_t K, const float *x, int64_t ldx, const uint8_t *q,
+                    int64_t ldq, const float *s, const uint8_t *z, int64_t G, int nc, float *y,
+                    int64_t ldy) {
+    const int64_t ng = K / G;
+    for (int r = 0; r < nc; r += PANEL)
+        panel_rows_avx512(M, K, x, ldx, q + r * ldq, ldq, s + r * ng, z + r * ng, G,
+                          nc - r < PANEL ? nc - r : PANEL, y + r, ldy);
+}
+
+/* prefill: many-row GEMMs and MoE experts through packed panels, dequantized while packing */
+#define PK_T uint8_t
+#define PK_SFX _q4
+#define PK_ROW_BYTES(K) ((K) / 2)
+#define PK_MIN_ROWS Q4_PACK_MIN_ROWS
+#define PK_PACK(K, r, buf) \
+    pack_panel_q4(K, (const uint8_t *)(r)->w, (r)->ld, (r)->s, (r)->z, (r)->G, (r)->nr, buf)
+#define PK_ROWS(M, K, x, ldx, r, y, ldy)                                                    \
+    rows_q4(M, K, x, ldx, (const uint8_t *)(r)->w, (r)->ld, (r)->s, (r)->z, (r)->G, (r)->nr, \
+            y, ldy)
+#define PK_GEMM
+#include "moe_packed.h"
 #pragma GCC pop_options
 
 void moeserve_int4_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                                  const uint8_t *q, int64_t ldq, const float *scale,
                                  const uint8_t *zero, int64_t group_size, float *y, int64_t ldy,
                                  int wide) {
-    if (wide)
+    if (wide && M >= Q4_GEMM_PACK_MIN_ROWS)
+        gemm_panels_q4(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy);
+    else if (wide)
         gemm_avx512(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy);
     else
         gemm_avx2(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy);
@@ -232,14 +365,20 @@ void moeserve_int4_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x
  * [E, D, F] (q2 [E, D, F / 2], s2 and z2 [E, D, F / G]); all contiguous, both projections
  * with the one group size G, which divides D and F. h is scratch of [rows, 2F]. One parallel
  * region: the threads share out the weight panels of all experts at once. Any number of rows
- * per expert. */
+ * per expert: with AVX-512 and an expert of Q4_PACK_MIN_ROWS rows or more (prefill),
+ * moe_panels_q4 (moe_packed.h). */
 void moeserve_int4_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
                              const int64_t *count, int64_t D, int64_t F, const float *x,
                              const uint8_t *q13, const float *s13, const uint8_t *z13,
                              const uint8_t *q2, const float *s2, const uint8_t *z2,
                              int64_t group_size, const float *route_w, float *h, float *y,
                              int wide) {
-    if (wide)
+    int64_t most = 0;
+    for (int64_t g = 0; g < n_groups; g++) most = count[g] > most ? count[g] : most;
+    if (wide && most >= Q4_PACK_MIN_ROWS)
+        moe_panels_q4(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2, z2,
+                      group_size, route_w, h, y);
+    else if (wide)
         moe_avx512(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2, z2,
                    group_size, route_w, h, y);
     else

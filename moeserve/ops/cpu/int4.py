@@ -35,13 +35,16 @@ from moeserve.quant.int4 import GROUP_SIZES, Int4Tensor
 _SOURCE = Path(__file__).with_name("int4.c")
 # Rows the AVX2 GEMM takes; more go to dequantized blocks and MKL (ops/formats/int4.py: 1 thread,
 # 64-128 rows even, 512 rows MKL 1.05-1.13x). The AVX-512 GEMM takes any number: 1.5-2x the
-# blocks + MKL at 64-512 rows (1024 x 1024 to 2048 x 4096, one thread).
+# blocks + MKL at 64-512 rows (1024 x 1024 to 2048 x 4096, one thread), in registers; from 40
+# rows it packs dequantized panels as int8 does, 1.1-1.25x the register form at 256 rows
+# (int4.c's header).
 MAX_ROWS = 64
 # In one MoE call, an expert with at least this many rows is dequantized and runs as two MKL
 # GEMMs instead of in the kernel (int8.MKL_MIN_ROWS is the int8 twin). Measured on the
 # benchmark model's layer (64 experts, D 1024, F 512, group 128, one thread): with AVX2, 2048
 # tokens (~190 rows an expert) 1.12x the kernel alone, 512-1024 tokens even; with AVX-512
-# never (None): the kernel was 1.6x dequantize + MKL at 1024 tokens.
+# never (None): the kernel was 1.6x dequantize + MKL at 1024 tokens, before its experts of 32
+# rows or more went through packed panels (int4.c: 1.2-1.27x faster at 1024-2048 tokens).
 MKL_MIN_ROWS: int | None = 64
 MKL_MIN_ROWS_WIDE: int | None = None
 
@@ -121,8 +124,9 @@ def gemm_nt(
 ) -> torch.Tensor:
     """``x @ w.dequantize().T`` for ``x [M, K]`` fp32, ``w`` of ``[N, K]``: each weight row
     streamed once, its codes unpacked and dequantized in registers, and dotted with blocks of
-    token rows (AVX-512F: any number of rows, in passes of rows that stay in cache; AVX2: up
-    to 6 rows, more through fp32 chunks of each panel dequantized once).
+    token rows (AVX-512F: any number of rows, in passes of rows that stay in cache, and from
+    40 rows through panels of 64 weight rows dequantized once; AVX2: up to 6 rows, more
+    through fp32 chunks of each panel dequantized once).
 
     ``out`` ([M, N] fp32, unit-stride rows) receives the result when given. ``avx512``
     overrides :func:`wide` (tests). The caller checks :func:`usable` first; the reference is

@@ -109,8 +109,10 @@ static void rows_q8(int64_t M, int64_t K, const float *x, int64_t ldx, const int
 /* prefill MoE: experts with many rows through packed panels, converted while packing */
 #define PK_T int8_t
 #define PK_SFX _q8
-#define PK_PACK(K, w, ldw, s, nc, buf) pack_panel_q8(K, w, ldw, s, nc, buf)
-#define PK_ROWS(M, K, x, ldx, w, ldw, s, nc, y, ldy) rows_q8(M, K, x, ldx, w, ldw, s, nc, y, ldy)
+#define PK_PACK(K, r, buf) \
+    pack_panel_q8(K, (const int8_t *)(r)->w, (r)->ld, (r)->s, (r)->nr, buf)
+#define PK_ROWS(M, K, x, ldx, r, y, ldy) \
+    rows_q8(M, K, x, ldx, (const int8_t *)(r)->w, (r)->ld, (r)->s, (r)->nr, y, ldy)
 #define PK_GEMM /* the projections from PACK_MIN_ROWS rows */
 #include "moe_packed.h"
 #pragma GCC pop_options
@@ -119,7 +121,7 @@ void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x
                                  const int8_t *q, int64_t ldq, const float *scale, float *y,
                                  int64_t ldy, int wide) {
     if (wide && M >= PACK_MIN_ROWS) /* 1.1-1.9x the dot form from 24 rows (int8_gemm.py) */
-        gemm_panels_q8(M, N, K, x, ldx, q, ldq, scale, y, ldy);
+        gemm_panels_q8(M, N, K, x, ldx, q, ldq, scale, 0, 0, y, ldy);
     else if (wide)
         gemm_avx512(M, N, K, x, ldx, q, ldq, scale, y, ldy);
     else
@@ -144,7 +146,8 @@ void moeserve_int8_moe_small(int64_t n_groups, const int64_t *expert, const int6
     int64_t most = 0;
     for (int64_t g = 0; g < n_groups; g++) most = count[g] > most ? count[g] : most;
     if (wide && most >= PACK_MIN_ROWS)
-        moe_panels_q8(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
+        moe_panels_q8(n_groups, expert, start, count, D, F, x, q13, s13, 0, q2, s2, 0, 0, route_w,
+                      h, y);
     else if (wide)
         moe_avx512(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
     else

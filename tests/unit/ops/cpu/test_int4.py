@@ -77,6 +77,47 @@ def test_gemm_many_rows(M):
     assert (out[:, :10] == 7).all() and (out[:, N + 10 :] == 7).all()
 
 
+# AVX-512 GEMMs from 40 rows (int4.c's Q4_GEMM_PACK_MIN_ROWS): packed panels of 64 weight
+# rows, 6-row tiles
+PANEL_ROWS = [24, 39, 40, 41, 47, 100, 200]
+
+
+@needs_kernels
+@pytest.mark.skipif(ISAS != [False, True], reason="the packed panels need AVX-512F")
+@pytest.mark.parametrize("kind", ["symmetric", "asymmetric", "codes"])
+@pytest.mark.parametrize("N,K,G", [(70, 256, 32), (130, 384, 64), (64, 384, 128), (200, 512, 128)])
+def test_gemm_packed_panels(N, K, G, kind):
+    """Many rows with AVX-512: N not a multiple of the panel (64), every group size, fewer
+    than 16 groups a row and more; strided x rows and output columns."""
+    w = weights(N, K, G, kind, N + K + G)
+    g = torch.Generator().manual_seed(G)
+    for M in PANEL_ROWS:
+        x = torch.randn(M, K + 5, generator=g)[:, :K]
+        out = torch.full((M, N + 9), 7.0)
+        int4.gemm_nt(x, w, out=out[:, 4 : N + 4], avx512=True)
+        assert_close(out[:, 4 : N + 4], int4.linear_int4_ref(x, w))
+        assert (out[:, :4] == 7).all() and (out[:, N + 4 :] == 7).all()
+
+
+@needs_kernels
+@pytest.mark.skipif(ISAS != [False, True], reason="the packed panels need AVX-512F")
+@pytest.mark.parametrize("G,kind", [(32, "asymmetric"), (64, "symmetric"), (128, "asymmetric")])
+def test_moe_packed_panels(G, kind, monkeypatch):
+    """An AVX-512 MoE call with experts of 32 rows or more: those through packed panels, the
+    others (1-31 rows) in registers in the same call; with groups of 32, D (w2's rows) not a
+    multiple of 64."""
+    monkeypatch.setattr(int4, "MKL_MIN_ROWS_WIDE", None)
+    counts = [40, 3, 33, 120, 31, 200, 24, 64]
+    experts = [6, 0, 2, 7, 1, 3, 5, 4]
+    D, Fd = (352, 160) if G == 32 else (384, 256)
+    w13, w2 = _moe_weights(8, D, Fd, G, kind, G)
+    g = torch.Generator().manual_seed(G + 1)
+    R = sum(counts)
+    x, weight = torch.randn(R, D, generator=g), torch.rand(R, generator=g)
+    got = int4.moe_experts(x, experts, counts, w13, w2, weight, avx512=True)
+    assert_close(got, int4.moe_int4_ref(x, experts, counts, w13, w2, weight))
+
+
 @needs_kernels
 @pytest.mark.parametrize("avx512", ISAS)
 @pytest.mark.parametrize("M", [1, 3, 7, 20])
