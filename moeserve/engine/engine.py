@@ -8,12 +8,9 @@ step():  batch = scheduler.schedule()
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -32,12 +29,19 @@ from moeserve.disagg.rank import KVRank
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.engine.codec import SeqStepOutput
 from moeserve.engine.disagg_mode import DisaggMode, kv_heads
+from moeserve.engine.engine_setup import (
+    GIB,
+    allocate_kv_pool,
+    load_tokenizer,
+    resident_bytes,
+    resolve_max_model_len,
+    scheduler_config,
+)
 from moeserve.engine.output_processor import OutputProcessor
-from moeserve.engine.scheduler import Scheduler, SchedulerConfig
-from moeserve.engine.spec_setup import check_mtp_checkpoint, make_runner
+from moeserve.engine.scheduler import Scheduler
+from moeserve.engine.spec_setup import make_runner
 from moeserve.eplb.balancer import ExpertBalancer, run_command
 from moeserve.grammar.bank import GrammarBank
-from moeserve.kvcache.pool import KVCachePool
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.loader import checkpoint_quantization, load_model
 from moeserve.ops import formats
@@ -46,25 +50,6 @@ from moeserve.ops.cpu.hugepages import move_to_huge_pages
 from moeserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-_GIB = 1 << 30
-_DEFAULT_KV_CAP_GB = 4.0
-
-
-def _load_tokenizer(model_dir: str) -> Tokenizer | None:
-    """The model directory's ``tokenizer.json``, or None when it has none."""
-    if (Path(model_dir) / "tokenizer.json").is_file():
-        return Tokenizer.from_dir(model_dir)
-    return None
-
-
-def resident_bytes() -> int:
-    """This process's resident set size (Linux; 0 where unknown)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class LLMEngine:
@@ -98,15 +83,19 @@ class LLMEngine:
         # an idle replica must still join the expert all-to-alls of a step
         dims = groups.dims
         self.run_empty_when_idle = dims.enable_expert_parallel and dims.dp > 1
-        self.max_model_len = self._resolve_max_model_len()
-        self.tokenizer = _load_tokenizer(config.model)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = (
             self.tokenizer.eos_token_ids
             if self.tokenizer
             else frozenset(self.model_config.eos_token_ids)
         )
-        self.kv_pool = self._allocate_kv_pool()
-        self.scheduler = Scheduler(self._scheduler_config(self.kv_pool.num_blocks))
+        self.kv_pool = allocate_kv_pool(
+            config, self.model, self.model_config, self.max_model_len, self.device
+        )
+        self.scheduler = Scheduler(
+            scheduler_config(config, self.max_model_len, self.kv_pool.num_blocks)
+        )
         self.runner = make_runner(
             self.model,
             self.kv_pool.caches,
@@ -178,56 +167,6 @@ class LLMEngine:
             # from here on, step temporaries reuse freed pages instead of faulting in fresh ones
             keep_freed_memory()
 
-    def _resolve_max_model_len(self) -> int:
-        """The configured ``max_model_len`` (default: the model's, at most 8192); raises
-        ValueError past the model's ``max_position_embeddings``."""
-        mc = self.model_config
-        max_model_len = self.config.max_model_len or min(mc.max_position_embeddings, 8192)
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's "
-                f"max_position_embeddings={mc.max_position_embeddings}"
-            )
-        return max_model_len
-
-    def _allocate_kv_pool(self) -> KVCachePool:
-        """The KV cache: ``kv_cache_memory_gb`` of blocks, or by default enough for
-        ``max_num_seqs`` full contexts within 4 GiB; one more layer for the MTP layer under
-        speculative decoding. Raises ValueError when it cannot hold ``max_model_len``."""
-        config = self.config
-        spec = self.model.kv_cache_spec()
-        if config.speculative_num_tokens:
-            check_mtp_checkpoint(config.model, self.model_config)
-            # one more cache layer, for the MTP layer (on every rank: the pools must agree)
-            spec = dataclasses.replace(spec, num_layers=spec.num_layers + 1)
-        bs = config.block_size
-        if config.kv_cache_memory_gb is not None:
-            num_blocks = KVCachePool.blocks_for_budget(spec, bs, config.kv_cache_memory_gb * _GIB)
-        else:
-            want = config.max_num_seqs * (-(-self.max_model_len // bs)) + 1
-            cap = KVCachePool.blocks_for_budget(spec, bs, _DEFAULT_KV_CAP_GB * _GIB)
-            num_blocks = min(want, cap)
-        if num_blocks * bs < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds only {num_blocks * bs} tokens, fewer than max_model_len="
-                f"{self.max_model_len}: raise kv_cache_memory_gb or lower max_model_len"
-            )
-        return KVCachePool.allocate(spec, num_blocks, bs, self.device)
-
-    def _scheduler_config(self, num_blocks: int) -> SchedulerConfig:
-        config = self.config
-        return SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            block_size=config.block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            max_waiting=config.max_waiting_requests,
-            num_spec_tokens=config.speculative_num_tokens,
-        )
-
     def _log_ready(self, seconds: float) -> None:
         # the weights' format beside the compute dtype: dtype "auto" on an AMX CPU computes
         # in fp32 over bf16 weights, which round unlike fp32 weights
@@ -240,7 +179,7 @@ class LLMEngine:
             self.dtype,
             self.device,
             self.kv_pool.num_blocks,
-            self.kv_pool.num_bytes / _GIB,
+            self.kv_pool.num_bytes / GIB,
             self.max_model_len,
         )
 
