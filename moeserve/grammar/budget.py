@@ -5,10 +5,10 @@ The grammar admits ``</think>`` anywhere in the section; the count forces it: on
 section holds ``budget`` tokens, the next row allows only ``</think>``. Where the section's
 text then ends inside a UTF-8 character (byte tokens), the grammar refuses ``</think>``
 until the character is whole, so the row keeps the grammar's mask for those few tokens
-(at most 3 more). Not llguidance's
-``max_tokens``: a matcher with such a lexeme cannot roll back, and MTP's draft masks roll
-back every step. So the budget needs ``</think>`` as one token (and, where the model opens the
-section itself, ``<think>`` too): a count of tokens cannot see a marker that is spelled.
+(at most 3 more). Not llguidance's ``max_tokens``: a matcher with such a lexeme cannot roll
+back, and MTP's draft masks roll back every step. So the budget needs ``</think>`` as one
+token (and, where the model opens the section itself, ``<think>`` too): a count of tokens
+cannot see a marker that is spelled.
 
     inside     the section is open from the first output token
     optional   it opens at the ``<think>`` token (whitespace before it aside), or never
