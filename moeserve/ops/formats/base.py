@@ -47,6 +47,25 @@ def through_fp32_rows(
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+_BLOCK_BYTES = 1 << 20  # fp32 bytes of dequantized weight per block: stays in L2
+
+
+def dequantized_blocks(
+    x: torch.Tensor, w, out: torch.Tensor, dequantize_into: Callable
+) -> torch.Tensor:
+    """``out[:] = x @ w.T`` for many rows (prefill) of a quantized ``w [N, K]``: blocks of its
+    rows dequantized (``dequantize_into(rows, buf)``) into one reused fp32 buffer that stays
+    in cache, each block an MKL GEMM (as fast as dequantizing all first, without the
+    full-size buffer: benchmarks/int8_gemm.py)."""
+    N, K = w.shape
+    nb = max(16, min(N, _BLOCK_BYTES // (4 * max(K, 1))))
+    buf = torch.empty(nb, K, dtype=torch.float32)
+    for n0 in range(0, N, nb):
+        n1 = min(N, n0 + nb)
+        out[:, n0:n1] = x @ dequantize_into(w[n0:n1], buf[: n1 - n0]).t()
+    return out
+
+
 def into_fp32_out(
     x: torch.Tensor, out: torch.Tensor, matmul, linear: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:

@@ -22,11 +22,15 @@ from functools import cache
 import torch
 
 from moeserve.ops.cpu import int4 as int4_kernels
-from moeserve.ops.formats.base import WeightFormat, into_fp32_out, through_fp32_rows
+from moeserve.ops.formats import check_options
+from moeserve.ops.formats.base import (
+    WeightFormat,
+    dequantized_blocks,
+    into_fp32_out,
+    through_fp32_rows,
+)
 from moeserve.platform import cpu_flags
-from moeserve.quant.int4 import DEFAULT_GROUP_SIZE, Int4Tensor, Int4Weight, as_int4, check_group
-
-_BLOCK_BYTES = 1 << 20  # fp32 bytes of dequantized weight per block: stays in L2
+from moeserve.quant.int4 import DEFAULT_GROUP_SIZE, Int4Tensor, Int4Weight, as_int4
 
 
 class Int4Format(WeightFormat):
@@ -41,7 +45,7 @@ class Int4Format(WeightFormat):
         act_order: bool = False,
     ) -> None:
         super().__init__(name)
-        check_group(group_size, group_size)
+        check_options(name, group_size, symmetric)
         self.group_size, self.symmetric, self.act_order = group_size, symmetric, act_order
         self.bytes_per_weight = 0.5 + 5.0 / group_size  # codes, fp32 scale, uint8 zero
 
@@ -117,7 +121,7 @@ class Int4Format(WeightFormat):
         if out is None:
             out = torch.empty(M, N, dtype=torch.float32, device=x.device)
         if x.device.type == "cpu" and M > 0 and int4_kernels.available() and w.q.stride(1) == 1:
-            return _blocked(x, w, out)
+            return dequantized_blocks(x, w, out, int4_kernels.dequantize_into)
         return out.copy_(int4_kernels.linear_int4_ref(x, w))
 
     def moe_experts(self, x_RD, experts, counts, w13_EFD, w2_EDF, weight_R):
@@ -148,19 +152,6 @@ class Int4Format(WeightFormat):
 def _in_order(w: Int4Tensor) -> Int4Tensor:
     """``w`` without its column order (the caller gathered x's columns already)."""
     return Int4Tensor(w.q, w.scale, w.zero, w.symmetric, w.weight_format)
-
-
-def _blocked(x: torch.Tensor, w: Int4Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Prefill: blocks of ``w``'s rows dequantized into one reused fp32 buffer, each an MKL
-    GEMM."""
-    N, K = w.shape
-    nb = max(16, min(N, _BLOCK_BYTES // (4 * max(K, 1))))
-    buf = torch.empty(nb, K, dtype=torch.float32)
-    for n0 in range(0, N, nb):
-        n1 = min(N, n0 + nb)
-        b = int4_kernels.dequantize_into(w[n0:n1], buf[: n1 - n0])
-        out[:, n0:n1] = x @ b.t()
-    return out
 
 
 @cache

@@ -21,10 +21,13 @@ from __future__ import annotations
 import torch
 
 from moeserve.ops.cpu import int8 as int8_kernels
-from moeserve.ops.formats.base import WeightFormat, into_fp32_out, through_fp32_rows
+from moeserve.ops.formats.base import (
+    WeightFormat,
+    dequantized_blocks,
+    into_fp32_out,
+    through_fp32_rows,
+)
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, as_int8
-
-_BLOCK_BYTES = 1 << 20  # fp32 bytes of dequantized weight per block: stays in L2
 
 
 class Int8Format(WeightFormat):
@@ -87,19 +90,8 @@ def _int8_matmul(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None) -> to
     if out is None:
         out = torch.empty(M, N, dtype=torch.float32, device=x.device)
     if x.device.type == "cpu" and M > 0 and int8_kernels.available() and w.q.stride(1) == 1:
-        return _blocked(x, w, out)
+        return dequantized_blocks(x, w, out, int8_kernels.dequantize_into)
     return out.copy_(int8_kernels.linear_int8_ref(x, w.q, w.scale))
-
-
-def _blocked(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor) -> torch.Tensor:
-    N, K = w.shape
-    nb = max(16, min(N, _BLOCK_BYTES // (4 * max(K, 1))))
-    buf = torch.empty(nb, K, dtype=torch.float32)
-    for n0 in range(0, N, nb):
-        n1 = min(N, n0 + nb)
-        b = int8_kernels.dequantize_into(w[n0:n1], buf[: n1 - n0])
-        out[:, n0:n1] = x @ b.t()
-    return out
 
 
 FORMAT = Int8Format("int8")
