@@ -5,10 +5,15 @@ GB/s counts the weight bytes read per call (fp32: 4 per weight; int8: 1 plus a 4
 per row; int4: K / 2 bytes of codes plus 5 per group, an fp32 scale and a uint8 zero point);
 ``int4/int8`` is the int4 kernel's speed over the int8 kernel's (its rows per second over
 int8's). Each call reads another copy of the weight, from a set of copies larger than the L3
-cache, so the weight streams from memory as in a decode step. One table per ISA.
+cache, so the weight streams from memory as in a decode step. One table per kernel form of
+int4 (``ops/cpu/int4.py`` isa levels: avx2, avx2-idot, avx512, vnni), the fp32 and int8
+kernels beside it in their AVX2 or AVX-512 variant.
 
-    python benchmarks/int4_gemm.py [--threads 2] [--rows 1 2 4 8 16 32] [--isa both]
+    python benchmarks/int4_gemm.py [--threads 2] [--rows 1 2 4 8 16 32] [--isa all]
         [--out bench_out/int4_gemm.json]
+
+``--isa all`` prints one table of every form this CPU runs side by side instead (each case's
+forms timed one after another), with the integer dots against their fp32-exact twins.
 """
 
 from __future__ import annotations
@@ -57,7 +62,10 @@ def best_ms(fn, budget_s: float = 0.15, min_reps: int = 3) -> float:
     return min(times) * 1e3
 
 
-def shape_rows(N: int, K: int, rows: list[int], wide: bool, g: torch.Generator) -> list[dict]:
+LEVELS = {"avx2": int4.AVX2, "avx2-idot": int4.AVX2_IDOT, "avx512": int4.AVX512, "vnni": int4.VNNI}
+
+
+def shape_rows(N: int, K: int, rows: list[int], level: int, g: torch.Generator) -> list[dict]:
     """fp32, int8 and int4 kernels (each group size) on cold copies of one weight, for each
     row count: ms and GB/s of each."""
     w = torch.randn(N, K, generator=g)
@@ -67,7 +75,8 @@ def shape_rows(N: int, K: int, rows: list[int], wide: bool, g: torch.Generator) 
     del w
     nbytes = {"fp32": 4 * N * K, "int8": N * K + 4 * N}
     nbytes |= {f"int4 g{G}": N * (K // 2 + 5 * K // G) for G in GROUPS}
-    out = []
+    out, wide = [], level in (int4.AVX512, int4.VNNI)
+    isa = next(name for name, v in LEVELS.items() if v == level)
     for M in rows:
         x = torch.randn(M, K, generator=g)
         ms = {
@@ -75,9 +84,9 @@ def shape_rows(N: int, K: int, rows: list[int], wide: bool, g: torch.Generator) 
             "int8": best_ms(lambda x=x: int8.gemm_nt(x, i8(), avx512=wide)),
         }
         for G in GROUPS:
-            ms[f"int4 g{G}"] = best_ms(lambda x=x, G=G: int4.gemm_nt(x, i4[G](), avx512=wide))
+            ms[f"int4 g{G}"] = best_ms(lambda x=x, G=G: int4.gemm_nt(x, i4[G](), level=level))
         gbs = {k: nbytes[k] / t / 1e6 for k, t in ms.items()}
-        out.append(dict(N=N, K=K, M=M, isa="avx512" if wide else "avx2", ms=ms, gbs=gbs))
+        out.append(dict(N=N, K=K, M=M, isa=isa, ms=ms, gbs=gbs))
     return out
 
 
@@ -93,30 +102,78 @@ def table(records: list[dict]) -> None:
         print(f"| {r['N']} x {r['K']} | {r['M']} | {cells} | {up} |", flush=True)
 
 
+def forms_rows(N: int, K: int, rows: list[int], levels: list[int], g) -> list[dict]:
+    """Every int4 kernel form in ``levels`` (each group size) and int8 (the ISA picked here)
+    on cold copies of one weight, one after another for each row count, so that they meet
+    the same memory: ms of each."""
+    w = torch.randn(N, K, generator=g)
+    i8 = cycling([Int8Tensor(*c) for c in copies(quantize_rows(w))])
+    i4 = {G: cycling([Int4Tensor(*c) for c in copies(quantize_groups(w, G))]) for G in GROUPS}
+    del w
+    names = {v: n for n, v in LEVELS.items()}
+    out = []
+    for M in rows:
+        x = torch.randn(M, K, generator=g)
+        ms = {"int8": best_ms(lambda x=x: int8.gemm_nt(x, i8()))}
+        for G in GROUPS:
+            for level in levels:
+                run = lambda x=x, G=G, level=level: int4.gemm_nt(x, i4[G](), level=level)  # noqa: E731
+                ms[f"g{G} {names[level]}"] = best_ms(run)
+        out.append(dict(N=N, K=K, M=M, ms=ms))
+    return out
+
+
+def forms_table(records: list[dict], levels: list[int]) -> None:
+    names = [n for n, v in LEVELS.items() if v in levels]
+    pairs = [(a, b) for a, b in (("avx2-idot", "avx2"), ("vnni", "avx512")) if a in names]
+    cols = [f"g{G} {n}" for G in GROUPS for n in names]
+    ratio_cols = [f"g{G} {a}/{b}" for G in GROUPS for a, b in pairs]
+    print(f"| weight (N x K) | M | int8 | {' | '.join(cols)} | {' | '.join(ratio_cols)} |")
+    print("|---|---:|" + "---:|" * (1 + len(cols) + len(ratio_cols)))
+    for r in records:
+        ms = r["ms"]
+        cells = " | ".join(f"{ms[c]:.3f}" for c in ["int8", *cols])
+        up = " | ".join(
+            f"{ms[f'g{G} {b}'] / ms[f'g{G} {a}']:.2f}x" for G in GROUPS for a, b in pairs
+        )
+        print(f"| {r['N']} x {r['K']} | {r['M']} | {cells} | {up} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument(
-        "--isa", choices=["default", "avx2", "avx512", "both"], default="default",
-        help="default: the one the kernels pick here (AVX-512F where the CPU has it)",
+        "--isa", choices=["default", *LEVELS, "all"], default="default",
+        help="int4's kernel form; default: the one picked here (int4.isa()), all: every one "
+        "this CPU runs",
     )  # fmt: skip
     ap.add_argument("--out", default="bench_out/int4_gemm.json")
     args = ap.parse_args()
     if not (int4.available() and int8.available() and fp32_kernels.available()):
         raise SystemExit("the CPU kernels are not available here (no AVX2/FMA or no compiler)")
     torch.set_num_threads(args.threads)
-    isas = {
-        "default": [int4.wide()],
-        "avx2": [False],
-        "avx512": [True],
-        "both": [False, True] if int4.wide() else [False],
-    }[args.isa]
+    here = [int4.AVX2, int4.AVX2_IDOT] + ([int4.AVX512] if int4.wide() else [])
+    here += [int4.VNNI] if int4.isa() == int4.VNNI else []
+    if args.isa == "default":
+        levels = [int4.isa()]
+    elif args.isa == "all":
+        levels = here
+    elif LEVELS[args.isa] in here:
+        levels = [LEVELS[args.isa]]
+    else:
+        raise SystemExit(f"--isa {args.isa}: this CPU does not run it")
     g = torch.Generator().manual_seed(0)
     records = []
-    for wide in isas:
-        print(f"\n{'AVX-512F' if wide else 'AVX2'}, {args.threads} threads, best of >= 3 calls")
-        rows = [r for N, K in SHAPES for r in shape_rows(N, K, args.rows, wide, g)]
+    if args.isa == "all":  # the forms side by side, each against its fp32-exact twin
+        print(f"\nint4 kernel forms (ms), int8 beside, {args.threads} threads, best of >= 3")
+        records = [r for N, K in SHAPES for r in forms_rows(N, K, args.rows, levels, g)]
+        forms_table(records, levels)
+        levels = []
+    for level in levels:
+        name = next(n for n, v in LEVELS.items() if v == level)
+        print(f"\nint4 {name}, {args.threads} threads, best of >= 3 calls")
+        rows = [r for N, K in SHAPES for r in shape_rows(N, K, args.rows, level, g)]
         table(rows)
         records += rows
     out = Path(args.out)

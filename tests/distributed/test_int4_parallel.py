@@ -11,8 +11,7 @@ import pytest
 from moeserve import LLM, SamplingParams
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 from tests.int4_checkpoints import write_int4_checkpoint
-from tests.int8_oracle import write_int4_oracle
-from tests.unit.ops.formats.test_int8_loading import assert_close_outputs
+from tests.int8_oracle import assert_int4_outputs, write_int4_oracle
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, prompt_logprobs=0)
 ENGINE = dict(dtype="float32", progress=False, max_model_len=160, max_num_batched_tokens=40)
@@ -48,7 +47,7 @@ def test_int4_layout_matches_its_fp32_oracle(checkpoint, tmp_path, layout):
     got = _run(
         checkpoint, quantization="int4", int4_group_size=32, int4_symmetric=False, **LAYOUTS[layout]
     )
-    assert_close_outputs(got, want, 1e-4)
+    assert_int4_outputs(got, want)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +57,7 @@ def test_int4_layout_matches_its_fp32_oracle(checkpoint, tmp_path, layout):
 def test_4bit_checkpoints_under_each_layout(checkpoint, tmp_path, method, kw, layout):
     src = write_int4_checkpoint(checkpoint, tmp_path / method, method, 32, **kw)
     want = _run(src / "oracle")
-    assert_close_outputs(_run(src, **LAYOUTS[layout]), want, 1e-4)
+    assert_int4_outputs(_run(src, **LAYOUTS[layout]), want)
 
 
 def test_shards_that_would_cut_groups_fail_the_load(tmp_path):

@@ -47,11 +47,11 @@ static inline void silu_mul_row(int64_t F, float *row) {
     }
 }
 
-/* silu_mul_row over the rows of every group (group g: rows start[g] .. start[g] + count[g] of
- * h, whose rows are 2F apart), thread t of nt taking an equal share of them; the groups need
- * not be back to back (an MoE call may leave rows to another path). */
-static inline void silu_mul_groups(int64_t n_groups, const int64_t *start, const int64_t *count,
-                                   int64_t F, float *h, int t, int nt) {
+/* fn(j, ctx) for thread t of nt's equal share of the rows j of every group (group g: rows
+ * start[g] .. start[g] + count[g]); the groups need not be back to back (an MoE call may
+ * leave rows to another path). */
+static inline void for_group_rows(int64_t n_groups, const int64_t *start, const int64_t *count,
+                                  int t, int nt, void (*fn)(int64_t, void *), void *ctx) {
     int64_t rows = 0;
     for (int64_t g = 0; g < n_groups; g++) rows += count[g];
     const int64_t lo = rows * t / nt, hi = rows * (t + 1) / nt;
@@ -59,9 +59,27 @@ static inline void silu_mul_groups(int64_t n_groups, const int64_t *start, const
     for (int64_t g = 0; g < n_groups && before < hi; g++) {
         const int64_t a = lo > before ? lo - before : 0;
         const int64_t b = hi - before < count[g] ? hi - before : count[g];
-        for (int64_t r = a; r < b; r++) silu_mul_row(F, h + (start[g] + r) * 2 * F);
+        for (int64_t r = a; r < b; r++) fn(start[g] + r, ctx);
         before += count[g];
     }
+}
+
+struct silu_rows {
+    int64_t F;
+    float *h;
+};
+
+static inline void silu_mul_one(int64_t j, void *ctx) {
+    const struct silu_rows *s = ctx;
+    silu_mul_row(s->F, s->h + j * 2 * s->F);
+}
+
+/* silu_mul_row over the rows of every group (rows of h 2F apart), thread t of nt taking an
+ * equal share of them (for_group_rows) */
+static inline void silu_mul_groups(int64_t n_groups, const int64_t *start, const int64_t *count,
+                                   int64_t F, float *h, int t, int nt) {
+    struct silu_rows s = {F, h};
+    for_group_rows(n_groups, start, count, t, nt, silu_mul_one, &s);
 }
 
 /* the weight stream of an MoE job in token-row equivalents (balanced_first_job) */

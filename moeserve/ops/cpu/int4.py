@@ -5,14 +5,19 @@ Weights are :class:`~moeserve.quant.int4.Int4Tensor` rows (``q [N, K/2]`` packed
 fp32. The GEMM takes at most ``MAX_ROWS`` token rows (any number with AVX-512F) and the MoE
 call any number; ``ops/cpu/build.py`` compiles and loads the source, and when that is not
 possible :func:`available` is False and callers use the references. Each kernel exists for
-AVX2+FMA and for AVX-512F; :func:`wide` picks AVX-512F where the CPU has it
-(``MOESERVE_CPU_AVX512=0`` keeps AVX2). How the kernels unpack and dequantize the codes, and
-what was measured: ``int4.c``'s header.
+AVX2+FMA and for AVX-512F, and both have a twin on integer dot products of bytes
+(``int4_idot.h``: AVX2, and AVX-512 VNNI for the GEMM of fewer than 256 rows) that takes each
+token row rounded to 16-bit fixed point (:func:`round_rows_ref`). :func:`isa` picks the
+integer dots where they run (AVX-512 VNNI, else AVX2 on a CPU without AVX-512F), else
+AVX-512F's lookups; ``MOESERVE_CPU_AVX512=0`` keeps AVX2, ``MOESERVE_INT4_IDOT=0`` the fp32
+forms. How the kernels unpack and dequantize the codes, and what was measured: ``int4.c``'s
+header.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -30,6 +35,7 @@ from moeserve.ops.cpu.fp32 import (  # shared with fp32
     wide,
 )
 from moeserve.ops.cpu.int8 import moe_int8_ref
+from moeserve.platform import cpu_flags
 from moeserve.quant.int4 import GROUP_SIZES, Int4Tensor
 
 _SOURCE = Path(__file__).with_name("int4.c")
@@ -47,11 +53,58 @@ MAX_ROWS = 64
 # rows or more went through packed panels (int4.c: 1.2-1.27x faster at 1024-2048 tokens).
 MKL_MIN_ROWS: int | None = 64
 MKL_MIN_ROWS_WIDE: int | None = None
+# The ``isa`` of the kernels (int4.c's ISA_*): AVX2+FMA (codes dequantized by FMAs), AVX-512F
+# (codes looked up in each group's 16 values), and the integer dots on the rows rounded to 16
+# bits with AVX-512 VNNI or AVX2
+AVX2, AVX512, VNNI, AVX2_IDOT = 0, 1, 2, 3
+XMAX = 32639  # int4_idot.h: the rounded rows' largest magnitude
+IDOT_MAX_ROWS = 256  # int4.c: the integer dots take fewer rows (an expert's, in an MoE call)
+
+
+def isa() -> int:
+    """Which kernels run here: :data:`VNNI` where the CPU has AVX-512 VNNI (with BW and VL),
+    :data:`AVX512` with AVX-512F alone, else :data:`AVX2_IDOT`; without the integer dots
+    (``MOESERVE_INT4_IDOT=0``) :data:`AVX512` or :data:`AVX2`."""
+    idot = os.environ.get("MOESERVE_INT4_IDOT", "1") != "0"
+    if not wide():
+        return AVX2_IDOT if idot else AVX2
+    vnni = {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags()
+    return VNNI if vnni and idot else AVX512
+
+
+def _isa(level: int | None) -> int:
+    return isa() if level is None else int(level)
+
+
+def rounds_rows(level: int | None, rows: int) -> bool:
+    """Whether the GEMM of ``level`` (:func:`isa` by default) on ``rows`` token rows runs on
+    the integer dots, which round them (:func:`round_rows_ref`)."""
+    level = _isa(level)
+    return level == AVX2_IDOT or (level == VNNI and rows < IDOT_MAX_ROWS)
 
 
 def linear_int4_ref(x: torch.Tensor, w: Int4Tensor) -> torch.Tensor:
     """Reference: ``x @ w.dequantize().T`` in fp32, for ``x [..., K]`` and ``w [N, K]``."""
     return F.linear(x.float(), w.dequantize())
+
+
+def round_rows_ref(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` rounded per row as the integer-dot kernels take it: to the multiples of
+    ``max|row| / 32639`` (ties to even), so :func:`linear_int4_ref` of it is what they
+    compute, up to the order of the fp32 sums. A row with a nan or an inf becomes all nan."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(float(XMAX)) / amax, torch.zeros_like(amax))
+    xi = torch.round(x * inv).clamp(-XMAX, XMAX)
+    out = xi * (amax / XMAX)
+    return torch.where(torch.isfinite(x).all(dim=-1, keepdim=True), out, torch.nan)
+
+
+def linear_isa_ref(x: torch.Tensor, w: Int4Tensor, level: int | None = None) -> torch.Tensor:
+    """What :func:`gemm_nt` computes for ``x [M, K]`` and ``level`` (:func:`isa` by default):
+    the reference on ``x`` as it is, or rounded (:func:`round_rows_ref`) where the integer
+    dots run (fewer than ``IDOT_MAX_ROWS`` rows)."""
+    return linear_int4_ref(round_rows_ref(x) if rounds_rows(level, x.shape[0]) else x, w)
 
 
 def moe_int4_ref(
@@ -61,11 +114,23 @@ def moe_int4_ref(
     w13: Int4Tensor,
     w2: Int4Tensor,
     weight_R: torch.Tensor,
+    level: int | None = None,
 ) -> torch.Tensor:
-    """Reference of :func:`moe_experts`: int8's reference loop (rows sorted by expert through
-    their expert's gated FFN, each scaled by its routing weight) with
-    :func:`linear_int4_ref`."""
-    return moe_int8_ref(x_RD, experts, counts, w13, w2, weight_R, gemm=linear_int4_ref)
+    """Reference of :func:`moe_experts` for ``level`` (:func:`isa` by default): int8's
+    reference loop (rows sorted by expert through their expert's gated FFN, each scaled by
+    its routing weight) with :func:`linear_int4_ref`, on rows rounded as the integer dots
+    take them where those run the experts (all but the experts of :func:`mkl_min_rows` rows
+    or more)."""
+    least = mkl_min_rows(level)  # experts of this many rows run through MKL, unrounded
+    # the call hands the kernel groups of at most fp32.MAX_ROWS (128) rows, fewer than
+    # IDOT_MAX_ROWS: the integer dots take all of them where they run
+    rounded = rounds_rows(level, 1)
+
+    def gemm(x: torch.Tensor, w: Int4Tensor) -> torch.Tensor:
+        in_kernel = least is None or x.shape[0] < least
+        return linear_int4_ref(round_rows_ref(x) if rounded and in_kernel else x, w)
+
+    return moe_int8_ref(x_RD, experts, counts, w13, w2, weight_R, gemm=gemm)
 
 
 @lru_cache(maxsize=1)
@@ -120,17 +185,18 @@ def _w_args(w: Int4Tensor) -> tuple:
 
 
 def gemm_nt(
-    x: torch.Tensor, w: Int4Tensor, out: torch.Tensor | None = None, avx512: bool | None = None
+    x: torch.Tensor, w: Int4Tensor, out: torch.Tensor | None = None, level: int | None = None
 ) -> torch.Tensor:
     """``x @ w.dequantize().T`` for ``x [M, K]`` fp32, ``w`` of ``[N, K]``: each weight row
     streamed once, its codes unpacked and dequantized in registers, and dotted with blocks of
     token rows (AVX-512F: any number of rows, in passes of rows that stay in cache, and from
     40 rows through panels of 64 weight rows dequantized once; AVX2: up to 6 rows, more
-    through fp32 chunks of each panel dequantized once).
+    through fp32 chunks of each panel dequantized once; on integer dots, blocks of 4 token
+    rows, with AVX-512 VNNI up to 255 rows).
 
-    ``out`` ([M, N] fp32, unit-stride rows) receives the result when given. ``avx512``
-    overrides :func:`wide` (tests). The caller checks :func:`usable` first; the reference is
-    :func:`linear_int4_ref`.
+    ``out`` ([M, N] fp32, unit-stride rows) receives the result when given. ``level``
+    overrides :func:`isa` (tests). The caller checks :func:`usable` first; the reference is
+    :func:`linear_isa_ref`.
     """
     M, K = x.shape
     N = w.q.shape[0]
@@ -145,7 +211,7 @@ def gemm_nt(
         *_w_args(w),
         out.data_ptr(),
         out.stride(0),
-        int(wide() if avx512 is None else avx512),
+        _isa(level),
     )
     return out
 
@@ -157,7 +223,7 @@ def bind_gemm(w: Int4Tensor, fallback) -> BoundGemm | None:
         return None
     fn = _library().moeserve_int4_gemm_nt_small
     bound = pointers(w.q, w.scale, w.zero)
-    return BoundGemm(fn, tuple(w.shape), _w_args(w), MAX_ROWS, int(wide()), bound, fallback)
+    return BoundGemm(fn, tuple(w.shape), _w_args(w), MAX_ROWS, isa(), bound, fallback)
 
 
 def dequantize_into(w: Int4Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -196,10 +262,10 @@ def moe_usable(x_RD: torch.Tensor, counts: list[int], w13: Int4Tensor, w2: Int4T
     )
 
 
-def mkl_min_rows(avx512: bool | None = None) -> int | None:
+def mkl_min_rows(level: int | None = None) -> int | None:
     """Rows from which an expert of an int4 MoE call is dequantized and runs through MKL
-    (None: never) for the ISA ``avx512`` picks (:func:`wide` by default)."""
-    return MKL_MIN_ROWS_WIDE if (wide() if avx512 is None else avx512) else MKL_MIN_ROWS
+    (None: never) for the kernels ``level`` picks (:func:`isa` by default)."""
+    return MKL_MIN_ROWS if _isa(level) in (AVX2, AVX2_IDOT) else MKL_MIN_ROWS_WIDE
 
 
 def _moe_w_args(w13: Int4Tensor, w2: Int4Tensor) -> tuple:
@@ -216,16 +282,16 @@ def moe_experts(
     w13: Int4Tensor,
     w2: Int4Tensor,
     weight_R: torch.Tensor,
-    avx512: bool | None = None,
+    level: int | None = None,
 ) -> torch.Tensor:
     """Rows of ``x_RD`` sorted by expert through their experts' gated FFN (int4 ``w13``
     ``[E, 2F, D]``, ``w2`` ``[E, D, F]``, one group size), each times its routing weight;
-    ``avx512`` overrides :func:`wide`. Experts of :func:`mkl_min_rows` rows or more are
+    ``level`` overrides :func:`isa`. Experts of :func:`mkl_min_rows` rows or more are
     dequantized and run as two MKL GEMMs, the rest in one kernel call. The reference is
     :func:`moe_int4_ref`."""
     D, F_ = x_RD.shape[1], w2.shape[2]
     meta, weight_R, h, y, big = moe_call_split(
-        x_RD.shape[0], D, F_, experts, counts, weight_R, mkl_min_rows(avx512)
+        x_RD.shape[0], D, F_, experts, counts, weight_R, mkl_min_rows(level)
     )
     if meta.shape[1]:
         _library().moeserve_int4_moe_small(
@@ -240,7 +306,7 @@ def moe_experts(
             weight_R.data_ptr(),
             h.data_ptr(),
             y.data_ptr(),
-            int(wide() if avx512 is None else avx512),
+            _isa(level),
         )
     dequantized_experts(x_RD, y, experts, counts, big, weight_R, w13, w2, dequantize_into)
     return y
@@ -256,7 +322,7 @@ class BoundMoE:
         self.w_args = _moe_w_args(w13, w2)
         self.pointers = pointers(*w13.parts(), *w2.parts())
         self.fn = _library().moeserve_int4_moe_small
-        self.wide = int(wide())
+        self.isa = isa()
 
     @staticmethod
     def bind(w13: Int4Tensor, w2: Int4Tensor) -> BoundMoE | None:
@@ -270,7 +336,7 @@ class BoundMoE:
     def prepare(self, b: MoEBuffers) -> None:
         self.y = b.y_sorted
         self.args = (*b.group_args(), *self.w_args, b.weight.data_ptr(), b.h.data_ptr())
-        self.args += (b.y_sorted.data_ptr(), self.wide)
+        self.args += (b.y_sorted.data_ptr(), self.isa)
 
     def run(self, G: int) -> torch.Tensor:
         self.fn(G, *self.args)

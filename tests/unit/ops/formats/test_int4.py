@@ -25,8 +25,8 @@ from moeserve.quant.int4 import (
     unpack_nibbles,
 )
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
-from tests.int8_oracle import write_int4_oracle
-from tests.unit.ops.formats.test_int8_loading import _fp8_copy, assert_close_outputs
+from tests.int8_oracle import assert_int4_outputs, write_int4_oracle
+from tests.unit.ops.formats.test_int8_loading import _fp8_copy
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
 ENGINE = dict(dtype="float32", max_model_len=160, progress=False)
@@ -131,21 +131,28 @@ def test_int4_engine_matches_fp32_on_dequantized_weights(checkpoints, kind, symm
     got = _generate(
         checkpoints[kind], quantization="int4", int4_group_size=32, int4_symmetric=symmetric
     )
-    assert_close_outputs(got, want, 1e-4)
+    assert_int4_outputs(got, want)
 
 
-@pytest.mark.parametrize("path", ["avx2", "reference"])
+@pytest.mark.parametrize("path", ["avx2", "avx2-idot", "avx512", "reference"])
 def test_other_paths_match_too(checkpoints, tmp_path, monkeypatch, path):
-    """The AVX2 kernels on a CPU that would pick AVX-512; the torch references without
+    """The AVX2 kernels (FMA and integer dots) on a CPU that would pick AVX-512, AVX-512F's
+    lookups on one that would pick VNNI's integer dots, the torch references without
     kernels."""
     oracle = write_int4_oracle(checkpoints["deepseek_v3"], tmp_path / "oracle", 32)
     want = _generate(oracle)
-    if path == "avx2":
+    if path.startswith("avx2"):
         monkeypatch.setattr(int4, "wide", lambda: False)
+        if path == "avx2":
+            monkeypatch.setenv("MOESERVE_INT4_IDOT", "0")
+    elif path == "avx512":
+        if not (int4.available() and int4.wide()):
+            pytest.skip("no AVX-512F here")
+        monkeypatch.setenv("MOESERVE_INT4_IDOT", "0")
     else:
         monkeypatch.setattr(int4, "available", lambda: False)
     got = _generate(checkpoints["deepseek_v3"], quantization="int4", int4_group_size=32)
-    assert_close_outputs(got, want, 1e-4)
+    assert_int4_outputs(got, want, rounds=path == "avx2-idot")
 
 
 def test_what_is_quantized_and_what_stays(checkpoints):

@@ -32,8 +32,8 @@ from tests.int4_checkpoints import (
     quantize_asym,
     write_int4_checkpoint,
 )
+from tests.int8_oracle import assert_int4_outputs
 from tests.unit.ops.formats.test_int4 import ENGINE, PARAMS, PROMPTS
-from tests.unit.ops.formats.test_int8_loading import assert_close_outputs
 
 AWQ = {"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": True}
 GPTQ = {"quant_method": "gptq", "bits": 4, "sym": False, "desc_act": False}
@@ -171,7 +171,7 @@ def test_engines_match_their_formats_dequantized_weights(fp32, tmp_path, kind, m
     src = write_int4_checkpoint(fp32[kind], tmp_path / method, method, 32, **kw)
     want = LLM(model=str(src / "oracle"), **ENGINE).generate(PROMPTS, PARAMS)
     llm = LLM(model=str(src), **ENGINE)  # no --quantization: the checkpoint's int4
-    assert_close_outputs(llm.generate(PROMPTS, PARAMS), want, 1e-4)
+    assert_int4_outputs(llm.generate(PROMPTS, PARAMS), want)
     model = llm.engine.model
     assert isinstance(model.layers[1].mlp.experts.w13_EFD, Int4Weight)
     head = model.lm_head.weight
