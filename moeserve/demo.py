@@ -174,11 +174,11 @@ TOKENIZER_CONFIG: dict = {
 GENERATION_CONFIG: dict = {"bos_token_id": 0, "eos_token_id": 1}
 
 
-def train_demo_tokenizer(corpus_path: Path = CORPUS_PATH) -> str:
-    """Train the demo byte-level BPE on ``corpus_path``; return tokenizer.json text.
-
-    Deterministic: the same corpus gives the same string in any process.
-    """
+def train_bpe(lines, vocab_size: int):
+    """A byte-level BPE trained with ``tokenizers`` on ``lines`` (an iterable of strings) to
+    ``vocab_size`` ids: the special tokens first (ids 0..3), the marker tokens last, BOS
+    added in front of every encoding. Deterministic: the same lines give the same tokenizer
+    in any process. The demo's tokenizer, and the trained demo's (scripts/train_demo.py)."""
     from tokenizers import (
         AddedToken,
         Tokenizer,
@@ -193,22 +193,30 @@ def train_demo_tokenizer(corpus_path: Path = CORPUS_PATH) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(MARKER_TOKENS),
+        vocab_size=vocab_size - len(MARKER_TOKENS),
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    lines = corpus_path.read_text(encoding="utf-8").splitlines(keepends=True)
     tok.train_from_iterator(lines, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
     # What transformers builds for add_bos_token=True, so the file alone also adds BOS.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, 0)]
     )
-    if tok.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"demo tokenizer has {tok.get_vocab_size()} tokens, want {VOCAB_SIZE}")
-    return tok.to_str(pretty=True) + "\n"
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"BPE has {tok.get_vocab_size()} tokens, want {vocab_size}")
+    return tok
+
+
+def train_demo_tokenizer(corpus_path: Path = CORPUS_PATH) -> str:
+    """Train the demo byte-level BPE on ``corpus_path``; return tokenizer.json text.
+
+    Deterministic: the same corpus gives the same string in any process.
+    """
+    lines = corpus_path.read_text(encoding="utf-8").splitlines(keepends=True)
+    return train_bpe(lines, VOCAB_SIZE).to_str(pretty=True) + "\n"
 
 
 def _dump_json(path: Path, obj: dict) -> None:

@@ -383,9 +383,10 @@ static void rows_q4(int64_t M, int64_t K, const float *x, int64_t ldx, const uin
 /* ---- integer dot products on rounded token rows: AVX2 and AVX-512 VNNI (int4_idot.h) ---- */
 #include "int4_idot.h"
 
-/* y[:M, :N] = x @ w^T for int4 rows w: on the integer dots (ISA_VNNI, fewer than
- * Q4_IDOT_MAX_ROWS rows), through packed panels (AVX-512, from Q4_GEMM_PACK_MIN_ROWS rows), or
- * in registers (ISA_AVX512, ISA_AVX2). */
+/* y[:M, :N] = x @ w^T for int4 rows w: on the integer dots (ISA_AVX2_IDOT; ISA_VNNI with
+ * fewer than Q4_IDOT_MAX_ROWS rows), through packed panels (AVX-512, from
+ * Q4_GEMM_PACK_MIN_ROWS rows), or in registers (ISA_AVX512, ISA_AVX2). Where the integer dots
+ * cannot have their scratch, the fp32 form of the same width runs. */
 void moeserve_int4_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                                  const uint8_t *q, int64_t ldq, const float *scale,
                                  const uint8_t *zero, int64_t group_size, float *y, int64_t ldy,
@@ -415,9 +416,9 @@ void moeserve_int4_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x
  * [E, D, F] (q2 [E, D, F / 2], s2 and z2 [E, D, F / G]); all contiguous, both projections
  * with the one group size G, which divides D and F. h is scratch of [rows, 2F]. One parallel
  * region: the threads share out the weight panels of all experts at once. Any number of rows
- * per expert: with AVX-512 VNNI and fewer than Q4_IDOT_MAX_ROWS rows an expert, on the
- * integer dots (moe_idot); else with AVX-512 and an expert of Q4_PACK_MIN_ROWS rows or more
- * (prefill), moe_panels_q4 (moe_packed.h). */
+ * per expert: on the integer dots with ISA_AVX2_IDOT, and with ISA_VNNI when every expert
+ * has fewer than Q4_IDOT_MAX_ROWS rows (moe_idot_*); else with AVX-512 and an expert of
+ * Q4_PACK_MIN_ROWS rows or more (prefill), moe_panels_q4 (moe_packed.h). */
 void moeserve_int4_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
                              const int64_t *count, int64_t D, int64_t F, const float *x,
                              const uint8_t *q13, const float *s13, const uint8_t *z13,
