@@ -122,6 +122,7 @@ def test_a_tiny_run_gives_a_checkpoint_moeserve_serves(trainer, tmp_path):
     )
     log = json.loads((out / "train_log.json").read_text())
     assert [r["step"] for r in log["train"]] == [0, 1, 2, 3] and len(log["eval"]) == 2
+    assert 0 < log["bigram_heldout_loss"] < 10  # the baseline, in nats per token
     assert (out / "loss.png").stat().st_size > 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 3 and cfg["num_nextn_predict_layers"] == 1
