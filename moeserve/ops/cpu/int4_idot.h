@@ -10,7 +10,8 @@
  * A weight row's codes u (unsigned bytes once the nibbles are split) are dotted with both
  * byte planes (exact int32 sums):
  *
- *   y[i, n] = c[i] * (sum_g s[n, g] * sum_{k in g} u[n, k] xi[i, k]  -  sum_g s[n, g] z[n, g] xs[i, g])
+ *   y[i, n] = c[i] * (sum_g s[n, g] * sum_{k in g} u[n, k] xi[i, k]
+ *                     - sum_g s[n, g] z[n, g] xs[i, g])
  *
  * with the group sums xs[i, g] = sum_{k in g} xi[i, k]; the second sum is taken once per row
  * pair, after the dot. Per 128 columns, weight row and token row, AVX-512 VNNI takes 4
@@ -77,9 +78,9 @@ static inline __m128i bytes16(__m256i a, __m256i b) {
 }
 
 /* Row x (K fp32, K a multiple of 32) rounded into xq (XROW_BYTES(K) bytes, 64-byte aligned),
- * its scale into *c and its group sums (K / G of them, then zeros to XS_LD) into xs. A row with a nan or an inf
- * gets c nan, so its outputs are nan as the reference's are; a zero row gets c 0. AVX2 for
- * both bodies: once per token row, a small share of a call. */
+ * its scale into *c and its group sums (K / G of them, then zeros to XS_LD) into xs. A row
+ * with a nan or an inf gets c nan, so its outputs are nan as the reference's are; a zero row
+ * gets c 0. AVX2 for both bodies: once per token row, a small share of a call. */
 static void idot_round_row(int64_t K, int64_t G, const float *x, int8_t *xq, float *c,
                            float *xs) {
     for (int64_t g = K / G; g < XS_LD(K / G); g++) xs[g] = 0.0f; /* the padding */
@@ -89,7 +90,8 @@ static void idot_round_row(int64_t K, int64_t G, const float *x, int8_t *xq, flo
     for (int64_t k = 0; k < K; k += 8) {
         const __m256 v = _mm256_loadu_ps(x + k);
         m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
-        bad |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+        const __m256 inf_nan = _mm256_sub_ps(v, v); /* 0 for a finite v */
+        bad |= _mm256_movemask_ps(_mm256_cmp_ps(inf_nan, _mm256_setzero_ps(), _CMP_NEQ_UQ));
     }
     const float amax = hmax256(m);
     *c = bad ? NAN : amax / (float)XMAX;
@@ -148,7 +150,8 @@ static void *idot_scratch(int slot, size_t bytes) {
 
 /* r's rows in the calling thread's scratch `slot`; -1 when it cannot be had */
 static int idot_alloc(int64_t M, int64_t K, int64_t G, int slot, struct idot_rows *t) {
-    const size_t q = (size_t)M * XROW_BYTES(K), cs = (size_t)M * (1 + XS_LD(K / G)) * sizeof(float);
+    const size_t q = (size_t)M * XROW_BYTES(K);
+    const size_t cs = (size_t)M * (1 + XS_LD(K / G)) * sizeof(float);
     t->xq = idot_scratch(slot, q + cs);
     if (!t->xq) return -1;
     t->c = (float *)(t->xq + q);
@@ -161,7 +164,8 @@ static int idot_alloc(int64_t M, int64_t K, int64_t G, int slot, struct idot_row
 static void idot_round_rows(int64_t lo, int64_t hi, int64_t K, int64_t G, const float *x,
                             int64_t ldx, const struct idot_rows *r) {
     for (int64_t i = lo; i < hi; i++)
-        idot_round_row(K, G, x + i * ldx, r->xq + i * XROW_BYTES(K), r->c + i, r->xs + i * XS_LD(K / G));
+        idot_round_row(K, G, x + i * ldx, r->xq + i * XROW_BYTES(K), r->c + i,
+                       r->xs + i * XS_LD(K / G));
 }
 
 struct idot_group_rows {
@@ -205,9 +209,11 @@ typedef __m256i ii_avx2;
 static inline __m256 izdot_avx2(const float *zr, const float *xs, int64_t ng) {
     __m256 t = _mm256_setzero_ps();
     int64_t g = 0;
-    for (; g + 8 <= ng; g += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(zr + g), _mm256_loadu_ps(xs + g), t);
+    for (; g + 8 <= ng; g += 8)
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(zr + g), _mm256_loadu_ps(xs + g), t);
     if (g < ng) { /* the last 1-7: zr's past ng masked off, xs's are zero anyway */
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(ng - g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(ng - g)), lane);
         t = _mm256_fmadd_ps(_mm256_maskload_ps(zr + g, m), _mm256_loadu_ps(xs + g), t);
     }
     return t;
@@ -282,7 +288,8 @@ typedef __m512i ii_vnni;
 static inline __m512 izdot_vnni(const float *zr, const float *xs, int64_t ng) {
     __m512 t = _mm512_setzero_ps();
     int64_t g = 0;
-    for (; g + 16 <= ng; g += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(zr + g), _mm512_loadu_ps(xs + g), t);
+    for (; g + 16 <= ng; g += 16)
+        t = _mm512_fmadd_ps(_mm512_loadu_ps(zr + g), _mm512_loadu_ps(xs + g), t);
     if (g < ng) {
         const __mmask16 m = (__mmask16)((1u << (ng - g)) - 1u);
         t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, zr + g), _mm512_maskz_loadu_ps(m, xs + g), t);
@@ -318,7 +325,8 @@ static inline __attribute__((always_inline)) __m512 iscales_vnni(const int G, co
     const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << left) - 1u), sr + g0);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     /* group of lane l within the block: l / (16 / per) = (l * per) >> 4 */
-    return _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(per)), 4), v);
+    const __m512i group = _mm512_srli_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(per)), 4);
+    return _mm512_permutexvar_ps(group, v);
 }
 #define ISCALES(G, sr, c0, ng) iscales_vnni(G, sr, c0, ng)
 #include "int4_idot.h" /* this file: its body, for this ISA */
@@ -513,8 +521,8 @@ static int ICAT(moe_idot, ISFX)(int64_t n_groups, const int64_t *expert, const i
             const int64_t j = start[g];
             float *yg = y + j * D + n0;
             ICAT(idot_panel, ISFX)(count[g], F, rh.xq + j * XROW_BYTES(F), rh.c + j,
-                                   rh.xs + j * XS_LD(ng2), q2 + row * (F / 2), F / 2, s2 + row * ng2,
-                                   z2 + row * ng2, G, nr, yg, D);
+                                   rh.xs + j * XS_LD(ng2), q2 + row * (F / 2), F / 2,
+                                   s2 + row * ng2, z2 + row * ng2, G, nr, yg, D);
             for (int64_t r = 0; r < count[g]; r++) {
                 const float w = route_w[j + r];
                 for (int64_t cc = 0; cc < nr; cc++) yg[r * D + cc] *= w;
