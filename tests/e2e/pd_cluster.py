@@ -260,8 +260,16 @@ def wait_idle(servers: Iterable[RunningServer], timeout: float = 15.0) -> None:
         if not left:
             return
         if time.monotonic() >= deadline:
-            raise AssertionError(f"not idle after {timeout:g} s: {left}")
+            warned = {s.url: _warnings(s) for s in servers if s.url in left}
+            raise AssertionError(f"not idle after {timeout:g} s: {left}\nwarnings: {warned}")
         time.sleep(0.2)
+
+
+def _warnings(server: RunningServer, last: int = 12) -> list[str]:
+    """The server's last warning and error lines (a failed transfer says why there), so a
+    not-idle failure shows what the instance saw."""
+    lines = [ln.rstrip() for ln in server.text().splitlines() if "WARNING" in ln or "ERROR" in ln]
+    return lines[-last:]
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
