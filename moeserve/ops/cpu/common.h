@@ -1,12 +1,21 @@
-/* Helpers shared by the C kernels of this folder (attention.c, fp32.c, int8.c): a vector
- * e^x, the gated activation of the MoE layers, and how an MoE call's jobs are split among
- * threads. AVX2+FMA only (the baseline of every kernel here). build.py hashes this header
+/* Helpers shared by the C kernels of this folder (attention.c, fp32.c, int8.c, int4.c): a
+ * horizontal sum, a vector e^x, the gated activation of the MoE layers, and how an MoE
+ * call's jobs are split among threads. AVX2+FMA only (the baseline of every kernel here). build.py hashes this header
  * with each source, so a change to it rebuilds them. */
 #ifndef MOESERVE_CPU_COMMON_H
 #define MOESERVE_CPU_COMMON_H
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+/* the sum of v's 8 lanes (fp32.c, int8.c, int4.c) */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 h = _mm_movehdup_ps(s);
+    s = _mm_add_ps(s, h);
+    h = _mm_movehl_ps(h, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, h));
+}
 
 /* e^x for x <= 0, 8 at a time: Cephes' expf (relative error ~1e-7); below -87 it returns
  * ~e^-87 instead of a denormal or 0, which neither a softmax sum nor a sigmoid notices. */

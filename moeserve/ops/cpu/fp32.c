@@ -35,14 +35,6 @@
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 h = _mm_movehdup_ps(s);
-    s = _mm_add_ps(s, h);
-    h = _mm_movehl_ps(h, s);
-    return _mm_cvtss_f32(_mm_add_ss(s, h));
-}
-
 /* How far ahead (in floats) to prefetch the weight stream: the same offset in a later pair of
  * weight rows (pairs start 2 * ldw apart), at least MIN_PREFETCH floats ahead, so both rows of
  * that pair are fetched. A fixed distance of one row (4 KB with K = 1024) lands in the pair's

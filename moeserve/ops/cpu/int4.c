@@ -147,14 +147,6 @@
         default: CALL(mb, 128); break; \
     }
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 h = _mm_movehdup_ps(s);
-    s = _mm_add_ps(s, h);
-    h = _mm_movehl_ps(h, s);
-    return _mm_cvtss_f32(_mm_add_ss(s, h));
-}
-
 /* sn[2j] = scale[j] and sn[2j + 1] = -zero[j] * scale[j] for j < n: the multiplier and addend
  * that dequantize group j in one FMA, side by side (one pointer per weight row in the dot) */
 static inline void scale_neg_zero(int64_t n, const uint8_t *zero, const float *scale,

@@ -39,14 +39,6 @@
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 h = _mm_movehdup_ps(s);
-    s = _mm_add_ps(s, h);
-    h = _mm_movehl_ps(h, s);
-    return _mm_cvtss_f32(_mm_add_ss(s, h));
-}
-
 /* ---- AVX2 + FMA: 8 lanes, blocks of 6 rows (12 accumulators of 16 registers) ---- */
 #define INT8_BODY
 #define W 8
