@@ -16,7 +16,7 @@ took; the streams give the rest:
                 tokens replayed one per step: median and max over the streams)
     gap         the longest pause a stream saw around the loss
 
-    python benchmarks/elastic.py [--model bench|demo|DIR] [--ep 4] [--redundant 32] \
+    python benchmarks/elastic.py [--model bench|tiny|demo|DIR] [--ep 4] [--redundant 32] \
         [--streams 8] [--max-tokens 128] [--kill-after 20] [--run-after 20] \
         [--signal KILL|STOP] [--out bench_out/elastic.json]
 """
@@ -42,13 +42,14 @@ from server_process import start_server  # noqa: E402
 
 
 def model_dir(name: str) -> Path:
-    """``bench`` (the benchmark model), ``demo`` (the built-in one) or a directory."""
+    """``bench`` (the benchmark model), ``tiny`` (the tiny random model), ``demo`` (the
+    trained demo) or a directory."""
+    from moeserve.demo import demo_model_path, tiny_model_path
+
     if name == "bench":
         return bench_model_path()
-    if name == "demo":
-        from moeserve.demo import demo_model_path
-
-        return demo_model_path()
+    if name in ("tiny", "demo"):
+        return tiny_model_path() if name == "tiny" else demo_model_path()
     return Path(name)
 
 
@@ -200,7 +201,7 @@ def print_table(r: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="bench", help="bench, demo (the built-in) or a directory")
+    p.add_argument("--model", default="bench", help="bench, tiny, demo or a directory")
     p.add_argument("--ep", type=int, default=4)
     p.add_argument("--redundant", type=int, default=32)
     p.add_argument("--streams", type=int, default=8)

@@ -8,7 +8,7 @@ error rate, TTFT/ITL/E2E p99, each kill's recovery and rejoin times, the RSS of 
 API server and of rank 0's engine over time (flat when nothing leaks there; killed ranks
 leave and replacements are new processes) and the KV-cache self-check at the end.
 
-    python benchmarks/elastic_chaos.py [--model demo|bench|DIR] [--minutes 10] \
+    python benchmarks/elastic_chaos.py [--model tiny|demo|bench|DIR] [--minutes 10] \
         [--interval 60] [--rate 2] [--input-len 64] [--output-len 64] \
         [--out bench_out/elastic_chaos.json]
 """
@@ -201,7 +201,7 @@ def soak(args: argparse.Namespace, model_dir: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="demo", help="demo (the built-in), bench or a directory")
+    p.add_argument("--model", default="tiny", help="tiny, demo, bench or a directory")
     p.add_argument("--ep", type=int, default=4)
     p.add_argument("--redundant", type=int, default=8)
     p.add_argument("--minutes", type=float, default=10.0)

@@ -14,6 +14,7 @@ import statistics
 import time
 
 from moeserve import LLM, SamplingParams
+from moeserve.demo import tiny_model_path
 
 
 def timed_ms(fn) -> float:
@@ -32,7 +33,7 @@ def main() -> None:
     kw = {"max_num_seqs": 64, "num_threads": args.threads, "progress": False}
     if args.ep > 1:
         kw.update(data_parallel_size=args.ep, enable_expert_parallel=True)
-    llm = LLM(**kw)  # the demo model
+    llm = LLM(model=str(tiny_model_path()), **kw)
     engine = llm.engine
     params = SamplingParams(max_tokens=2 * args.steps + 50, ignore_eos=True)
     for i in range(args.seqs):

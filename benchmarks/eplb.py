@@ -1,7 +1,7 @@
 """Expert-parallel load balance in simulation: imbalance before and after EPLB placement.
 
 Imbalance is max over mean tokens per rank of a MoE layer (1.0 = every rank equally busy).
-Loads, each [MoE layers, 64 experts] like the benchmark model (8 groups, top-6):
+Loads, each [MoE layers, experts] (the benchmark model: 64 experts in 8 groups, top-6):
 
     zipf        synthetic: per layer, expert popularity ~ 1 / rank^s over a random order,
                 tokens drawn from it (``--zipf-s``, ``--tokens``)
@@ -10,24 +10,27 @@ Loads, each [MoE layers, 64 experts] like the benchmark model (8 groups, top-6):
                 captured from each MoE layer's router
     bench-hot   the same with a gate bias that makes 4 experts per layer hot (added to
                 ``e_score_correction_bias`` in memory, ``--hot-bias``)
+    demo        the real routing of the trained demo model (16 experts in 4 groups, top-4,
+                3 MoE layers; docs/demo_model.md) on held-out paragraphs of its training
+                text: the load of a router that learned something, not a random one's
 
 For EP4 (one node of 4 ranks) and EP8 (two nodes of 4: the hierarchical form) and 0, 4 and
 8 redundant experts: ``before`` is the contiguous placement without redundancy (expert e on
-rank e // (64 / EP)); ``after`` is ``rebalance_experts`` on the load (an expert's tokens split
+rank e // (experts / EP)); ``after`` is ``rebalance_experts`` on the load (an expert's tokens split
 evenly over its replicas), both on the whole load. ``held-out`` places from the first half of
 the load (the first half of the prompts / of the tokens drawn) and measures on the second
 half (the JSON also has ``before`` on that half). For the model loads, ``step bef`` and
 ``step aft`` replay every forward step of the second half token by token (without EPLB /
 with the held-out placement): tokens are split evenly over the ranks (DP attention),
 ``ReplicaTable.select`` picks each choice's slot (own node first, then round-robin), and the
-per-step imbalance is averaged over steps and layers. 68 slots do not divide over 8 ranks,
-so EP8 has no 4-redundant case.
+per-step imbalance is averaged over steps and layers. 68 (demo: 20) slots do not divide over 8
+ranks, so EP8 has no 4-redundant case.
 
 ``step`` (a source) measures, not simulates: one MoE layer at EP4 on gloo ranks of this
 machine, its step time before and after a live re-placement on a skewed load
 (``benchmarks/eplb_step.py``: ``--step-tokens``, ``--step-iters``, ``--step-redundant``).
 
-    python benchmarks/eplb.py [--sources zipf,bench,bench-hot,step] [--prompts 64]
+    python benchmarks/eplb.py [--sources zipf,bench,bench-hot,demo,step] [--prompts 64]
                               [--out bench_out/eplb.json] [--heatmap docs/img/eplb-load.png]
 """
 
@@ -37,6 +40,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,24 +56,47 @@ from moeserve.eplb import (  # noqa: E402
     rebalance_experts,
 )
 
-E = BENCH_CONFIG["n_routed_experts"]
-K = BENCH_CONFIG["num_experts_per_tok"]
-GROUPS = BENCH_CONFIG["n_group"]
-MOE_LAYERS = BENCH_CONFIG["num_hidden_layers"] - BENCH_CONFIG["first_k_dense_replace"]
+
+@dataclass(frozen=True)
+class Shape:
+    """The MoE shape of a model's routing."""
+
+    experts: int
+    top_k: int
+    groups: int
+    moe_layers: int
+    first_moe: int  # the index of the first MoE layer (the dense ones come first)
+
+    @classmethod
+    def of(cls, config: dict) -> Shape:
+        first = config["first_k_dense_replace"]
+        return cls(
+            experts=config["n_routed_experts"],
+            top_k=config["num_experts_per_tok"],
+            groups=config["n_group"],
+            moe_layers=config["num_hidden_layers"] - first,
+            first_moe=first,
+        )
+
+
+BENCH = Shape.of(BENCH_CONFIG)
 LAYOUTS = ((4, 1), (8, 2))  # (EP ranks, nodes)
 REDUNDANT = (0, 4, 8)
-CORPUS = Path(__file__).resolve().parents[1] / "moeserve" / "data" / "demo_corpus.txt"
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "moeserve" / "data" / "demo_corpus.txt"
 
 
 class Routing:
     """Token-level routing of a run: for every forward step, each MoE layer's topk ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
         self.steps: list[list[torch.Tensor]] = []  # [step][layer] -> [T, K]
 
     def load(self, steps: slice = slice(None)) -> torch.Tensor:
         """``[L, E]`` tokens per layer and expert over the chosen steps."""
-        out = torch.zeros(MOE_LAYERS, E, dtype=torch.int64)
+        E = self.shape.experts
+        out = torch.zeros(self.shape.moe_layers, E, dtype=torch.int64)
         for layers in self.steps[steps]:
             for l, ids in enumerate(layers):
                 out[l] += torch.bincount(ids.flatten(), minlength=E)
@@ -79,10 +106,11 @@ class Routing:
 def zipf_load(tokens: int, s: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Two independent ``[L, E]`` draws of ``tokens * K`` choices from the same per-layer
     Zipf popularity (placement from one, measurement on the other)."""
+    E, K = BENCH.experts, BENCH.top_k
     g = torch.Generator().manual_seed(seed)
     draws = []
     popularity = []
-    for _ in range(MOE_LAYERS):
+    for _ in range(BENCH.moe_layers):
         rank_E = torch.randperm(E, generator=g).double() + 1
         popularity.append(rank_E.pow(-s))
     for _ in range(2):
@@ -91,22 +119,26 @@ def zipf_load(tokens: int, s: float, seed: int) -> tuple[torch.Tensor, torch.Ten
     return draws[0], draws[1]
 
 
-def capture_model_routing(prompts: list[str], new_tokens: int, hot_bias: float, threads: int):
-    """Run the benchmark model on ``prompts`` and record every MoE router's choices."""
+def capture_model_routing(
+    model_dir: Path, shape: Shape, prompts: list[str], new_tokens: int, hot_bias: float, threads
+):
+    """Run the model on ``prompts`` and record every MoE router's choices."""
     from moeserve import LLM, SamplingParams
     from moeserve.layers.moe_block import MoEBlock
 
+    E, K, MOE_LAYERS = shape.experts, shape.top_k, shape.moe_layers
     llm = LLM(
-        model=str(bench_model_path()),
+        model=str(model_dir),
         dtype="float32",
         num_threads=threads,
         max_num_seqs=len(prompts),
         progress=False,
     )
     model = llm.engine.model
-    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    # the main model's MoE layers (an MTP layer's block is not part of a decode's routing)
+    blocks = [m for n, m in model.named_modules() if isinstance(m, MoEBlock) and "mtp" not in n]
     assert len(blocks) == MOE_LAYERS, f"expected {MOE_LAYERS} MoE layers, found {len(blocks)}"
-    routing = Routing()
+    routing = Routing(shape)
     current: list[torch.Tensor] = []
 
     def hook(index: int):
@@ -122,6 +154,8 @@ def capture_model_routing(prompts: list[str], new_tokens: int, hot_bias: float, 
         return record
 
     handles = [b.gate.register_forward_hook(hook(i)) for i, b in enumerate(blocks)]
+    for b in blocks:  # decode through the gate module (the prebound calls route in C, unseen)
+        b._decode_calls = False
     saved = [b.gate.e_score_correction_bias.detach().clone() for b in blocks]
     if hot_bias:
         g = torch.Generator().manual_seed(11)
@@ -139,6 +173,8 @@ def capture_model_routing(prompts: list[str], new_tokens: int, hot_bias: float, 
     finally:
         for h in handles:
             h.remove()
+        for b in blocks:
+            b._decode_calls = None  # bind again on the next step
         for b, bias in zip(blocks, saved):
             b.gate.e_score_correction_bias.data.copy_(bias)
         llm.shutdown()
@@ -154,9 +190,28 @@ def prompt_set(n: int) -> list[str]:
     return [" ".join(words[i * len(words) // n : (i + 1) * len(words) // n]) for i in range(n)]
 
 
-def contiguous() -> torch.Tensor:
+def demo_prompts(n: int, words: int = 40) -> list[str]:
+    """The first ``words`` words of ``n`` held-out paragraphs of the demo's training text
+    (``scripts/train_demo.py``'s split): text in the model's domain it never trained on."""
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("train_demo", ROOT / "scripts" / "train_demo.py")
+    td = module_from_spec(spec)
+    spec.loader.exec_module(td)
+    paragraphs, _ = td.load_text()
+    out = [
+        " ".join(p.split()[:words])
+        for i, p in enumerate(paragraphs)
+        if td.held_out(i, 0.02) and len(p.split()) >= words
+    ]
+    if len(out) < n:
+        raise ValueError(f"--prompts {n}: {len(out)} held-out paragraphs are long enough")
+    return out[:n]
+
+
+def contiguous(shape: Shape) -> torch.Tensor:
     """No EPLB: expert e in slot e, so on rank e // (E / EP)."""
-    return torch.arange(E).expand(MOE_LAYERS, E)
+    return torch.arange(shape.experts).expand(shape.moe_layers, shape.experts)
 
 
 def per_step_imbalance(routing: Routing, steps: slice, phy2log, log2phy, logcnt, ranks, nodes):
@@ -164,7 +219,8 @@ def per_step_imbalance(routing: Routing, steps: slice, phy2log, log2phy, logcnt,
     the replica ``ReplicaTable.select`` picks (tokens split evenly over the ranks)."""
     S = phy2log.shape[1] // ranks
     node_of_rank = torch.arange(ranks) // (ranks // nodes)
-    tables = [ReplicaTable.build(log2phy[l], logcnt[l], S, node_of_rank) for l in range(MOE_LAYERS)]
+    layers = range(routing.shape.moe_layers)
+    tables = [ReplicaTable.build(log2phy[l], logcnt[l], S, node_of_rank) for l in layers]
     values = []
     for step, layers in enumerate(routing.steps[steps]):
         for table, ids_TK in zip(tables, layers):
@@ -176,17 +232,18 @@ def per_step_imbalance(routing: Routing, steps: slice, phy2log, log2phy, logcnt,
     return sum(values) / len(values)
 
 
-def evaluate(name: str, train, test, routing=None, test_steps=None) -> list[dict]:
+def evaluate(name: str, shape: Shape, train, test, routing=None, test_steps=None) -> list[dict]:
     """Rows for every layout and redundancy: ``before``/``after`` on the whole load,
     ``before_held_out``/``held_out`` on the test half with the placement from the train half."""
     rows = []
     full = train + test
+    E, GROUPS = shape.experts, shape.groups
     for ranks, nodes in LAYOUTS:
-        before = imbalance(rank_load(full, contiguous(), ranks))
-        before_test = imbalance(rank_load(test, contiguous(), ranks))
+        before = imbalance(rank_load(full, contiguous(shape), ranks))
+        before_test = imbalance(rank_load(test, contiguous(shape), ranks))
         before_step = None
         if routing is not None:
-            cont = (contiguous(), *placement_tables(contiguous(), E))
+            cont = (contiguous(shape), *placement_tables(contiguous(shape), E))
             before_step = per_step_imbalance(routing, test_steps, *cont, ranks, nodes)
         for extra in REDUNDANT:
             P = E + extra
@@ -239,24 +296,25 @@ def print_table(rows: list[dict]) -> None:
         print(head + "".join(f"{c:>10}" for c in cells))
 
 
-def heatmap(path: Path, loads: dict[str, torch.Tensor]) -> None:
+def heatmap(path: Path, loads: dict[str, tuple[Shape, torch.Tensor]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(loads), 1, figsize=(10, 1.6 + 1.7 * len(loads)), squeeze=False)
-    for ax, (name, load) in zip(axes[:, 0], loads.items()):
+    for ax, (name, (shape, load)) in zip(axes[:, 0], loads.items()):
         rel = load.double() / load.double().mean(dim=1, keepdim=True).clamp_min(1e-9)
         im = ax.imshow(rel.numpy(), aspect="auto", cmap="magma", vmin=0)
         ax.set_title(f"{name}: tokens per expert / layer mean", fontsize=9)
         ax.set_ylabel("layer")
-        first = BENCH_CONFIG["first_k_dense_replace"]  # the dense layers have no experts
+        first = shape.first_moe  # the dense layers have no experts
         ax.set_yticks(range(load.shape[0]), [str(first + i) for i in range(load.shape[0])])
         ax.tick_params(axis="y", labelsize=6)
-        ax.set_xticks(range(0, E, 8))
+        per_group = shape.experts // shape.groups
+        ax.set_xticks(range(0, shape.experts, per_group))
+        ax.set_xlabel(f"logical expert ({shape.groups} groups of {per_group})", fontsize=8)
         fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
-    axes[-1, 0].set_xlabel("logical expert (8 groups of 8)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -285,30 +343,48 @@ def main() -> None:
     sources = args.sources.split(",")
 
     rows: list[dict] = []
-    loads: dict[str, torch.Tensor] = {}
+    loads: dict[str, tuple[Shape, torch.Tensor]] = {}
     notes: dict[str, dict] = {}
     if "zipf" in sources:
         train, test = zipf_load(args.tokens, args.zipf_s, args.seed)
         name = f"zipf s={args.zipf_s:g}"
-        rows += evaluate("zipf", train, test)
-        loads[name] = train + test
+        rows += evaluate("zipf", BENCH, train, test)
+        loads[name] = (BENCH, train + test)
         notes["zipf"] = dict(s=args.zipf_s, tokens_per_half=args.tokens)
-    for src in ("bench", "bench-hot"):
+    for src in ("bench", "bench-hot", "demo"):
         if src not in sources:
             continue
         hot = args.hot_bias if src == "bench-hot" else 0.0
+        if src == "demo":
+            from moeserve.demo import demo_model_path
+
+            model_dir = demo_model_path()
+            shape = Shape.of(json.loads((model_dir / "config.json").read_text()))
+            prompts = demo_prompts(args.prompts)
+        else:
+            model_dir, shape, prompts = bench_model_path(), BENCH, prompt_set(args.prompts)
         routing, split, secs = capture_model_routing(
-            prompt_set(args.prompts), args.new_tokens, hot, args.threads
+            model_dir, shape, prompts, args.new_tokens, hot, args.threads
         )
         train, test = routing.load(slice(0, split)), routing.load(slice(split, None))
         tokens = [int(layers[0].shape[0]) for layers in routing.steps]
+        rel = (train + test).double()
+        rel = rel / rel.mean(dim=1, keepdim=True)  # each expert's load over its layer's mean
+        per_layer = [
+            dict(layer=shape.first_moe + l, max=float(r.max()), min=float(r.min()))
+            for l, r in enumerate(rel)
+        ]
         notes[src] = dict(
-            steps=len(tokens), tokens=sum(tokens), seconds=round(secs, 1), hot_bias=hot
-        )
+            steps=len(tokens), tokens=sum(tokens), seconds=round(secs, 1), hot_bias=hot,
+            expert_load=per_layer,
+        )  # fmt: skip
         print(f"{src}: {len(tokens)} forward steps, {sum(tokens)} tokens, {secs:.0f} s")
-        rows += evaluate(src, train, test, routing, slice(split, None))
-        label = "benchmark model" + (f", hot gate bias +{hot:g}" if hot else "")
-        loads[f"{label} ({sum(tokens)} tokens)"] = train + test
+        loads_text = ", ".join(f"{r['layer']}: {r['min']:.2f}-{r['max']:.2f}" for r in per_layer)
+        print(f"  expert load / layer mean, min-max, per layer: {loads_text}")
+        rows += evaluate(src, shape, train, test, routing, slice(split, None))
+        label = "trained demo model" if src == "demo" else "benchmark model"
+        label += f", hot gate bias +{hot:g}" if hot else ""
+        loads[f"{label} ({sum(tokens)} tokens)"] = (shape, train + test)
 
     print()
     print_table(rows)
@@ -327,7 +403,10 @@ def main() -> None:
         eplb_step.print_rows(step_rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = dict(rows=rows, sources=notes, experts=E, groups=GROUPS, moe_layers=MOE_LAYERS)
+    record = dict(
+        rows=rows, sources=notes, experts=BENCH.experts, groups=BENCH.groups,
+        moe_layers=BENCH.moe_layers,
+    )  # fmt: skip
     record.update(step_time=step_rows, command=" ".join(sys.argv))
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from moeserve.demo import tiny_model_path
+
 EVENTS = ("kill_rank_b", "kill_host_b", "kill_engine_0", "term_0", "term_b")
 
 
@@ -63,6 +65,7 @@ def _start_pair(log_dir: Path) -> tuple[list[subprocess.Popen], str]:
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--ep", "2", "--nnodes", "2"]
+        cmd += ["--model", str(tiny_model_path())]
         cmd += ["--node-rank", str(node), "--master-addr", "127.0.0.1"]
         cmd += ["--master-port", str(master), "--log-level", "info"]
         if node == 0:

@@ -1,5 +1,5 @@
 """What one hostile request does to everyone else: each of issue 20's probe bodies is sent to
-a ``moeserve serve`` (the demo model) while a second client polls ``/health`` back to back;
+a ``moeserve serve`` (the tiny random model) while a second client polls ``/health`` back to back;
 the table gives the body's status and latency and the slowest and median ``/health`` answer
 meanwhile (a server whose event loop is blocked answers ``/health`` only when it is free).
 

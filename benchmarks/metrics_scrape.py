@@ -1,6 +1,6 @@
 """What scraping ``/metrics`` costs generation: the same load with no scraper, with a scraper
 as fast as one client goes, and with one at a fixed rate, alternating within one run, on one
-``moeserve serve`` per checkout given (the demo model unless ``--model``).
+``moeserve serve`` per checkout given (the tiny random model unless ``--model``).
 
 ``--src A,B`` serves each checkout's code (e.g. a ``git worktree`` of an older commit beside
 this one), every server started once and left idle while another runs; the client side is
@@ -244,7 +244,7 @@ def main() -> int:
     ap.add_argument(
         "--src", default=str(ROOT), help="the moeserve checkouts to serve, comma-separated"
     )
-    ap.add_argument("--model", default=None, help="a model directory (default: the demo)")
+    ap.add_argument("--model", default=None, help="a model directory (default: tiny)")
     ap.add_argument("--modes", default="none,tight,8", help="none, tight, or scrapes per second")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=48)

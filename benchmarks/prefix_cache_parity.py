@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moeserve import LLM, SamplingParams  # noqa: E402
-from moeserve.demo import demo_model_path  # noqa: E402
+from moeserve.demo import tiny_model_path  # noqa: E402
 from tests.unit.test_prefix_cache_parity import BS, shared_prefix_prompts  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--cases", default="mixed,one-left,next-turn")
     args = ap.parse_args()
     cases = set(args.cases.split(","))
-    path = args.model or str(demo_model_path())
+    path = args.model or str(tiny_model_path())
     vocab = 512
     config = Path(path) / "config.json"
     if config.is_file():

@@ -22,6 +22,10 @@ def start_server(
     it starts inherit; None: this process's); returns ``(process, url)`` once /health
     answers 200. Its tracebacks and error lines go to this process's stderr."""
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", "0", "--log-level", "info"]
+    if "--model" not in args:  # the tiny random model, as the benchmarks have always used
+        from moeserve.demo import tiny_model_path
+
+        cmd += ["--model", str(tiny_model_path())]
     env = None if src is None else dict(os.environ, PYTHONPATH=str(src))
     proc = subprocess.Popen(
         [*cmd, *args],

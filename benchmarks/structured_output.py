@@ -6,7 +6,7 @@ The schema keeps every sequence running to ``--max-tokens`` whatever a random mo
 same number of tokens at the same batch size: the difference is the grammar's work
 (llguidance's mask per row, in parallel over the rows, then the mask applied to the logits).
 
-    python benchmarks/structured_output.py [--model demo|bench|DIR] [--batches 1 32] \
+    python benchmarks/structured_output.py [--model tiny|demo|bench|DIR] [--batches 1 32] \
         [--max-tokens 64] [--rounds 3] [--threads 2] [--out bench_out/structured_output.json]
 """
 
@@ -43,7 +43,7 @@ def tokens_per_s(llm: LLM, batch: int, params: SamplingParams) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo", help="demo (the built-in), bench or a directory")
+    ap.add_argument("--model", default="tiny", help="tiny, demo, bench or a directory")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)

@@ -348,10 +348,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
-    from moeserve.demo import write_demo_model
+    from moeserve.demo import write_demo_model, write_tiny_model
 
-    path = write_demo_model(args.path)
-    print(f"wrote the demo model to {path}")
+    if args.tiny:
+        print(f"wrote the tiny random model to {write_tiny_model(args.path)}")
+    else:
+        print(f"wrote the demo model to {write_demo_model(args.path)}")
     return 0
 
 
@@ -460,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo-model", help="write the built-in demo model as a HF directory")
     d.add_argument("path")
+    d.add_argument(
+        "--tiny", action="store_true", help="the tiny random model the tests use instead"
+    )
     d.set_defaults(func=_cmd_demo_model)
     return parser
 

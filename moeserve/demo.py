@@ -1,17 +1,26 @@
-"""The built-in demo model: a tiny DeepSeek-V3 checkpoint every command falls back to.
+"""The built-in models: the trained demo every command falls back to, and a tiny random
+checkpoint for tests.
 
-``write_demo_model(path)`` writes a complete Hugging Face directory (config.json, sharded
+**The demo** (``demo_model_path()``) is a small DeepSeek-V3 (9.1M parameters: MLA with q/kv
+LoRA, a dense layer then routed and shared experts, one MTP layer) trained on Python's
+documentation by ``scripts/train_demo.py`` and shipped as bf16 safetensors in
+``data/demo_model`` (docs/demo_model.md). It answers in English words. ``write_demo_model``
+copies it.
+
+**The tiny random model** (``tiny_model_path()``, ``write_tiny_model``) is what tests use
+where exactness and speed matter: a complete Hugging Face directory (config.json, sharded
 safetensors with MTP weights, tokenizer.json, tokenizer_config.json with a DeepSeek-V3-style
-chat template, generation_config.json). The weights are fixed-seed random, so the model
-speaks nonsense, but every code path of a real checkpoint is exercised: MLA with q/kv LoRA,
-yarn rope, one dense layer then MoE layers with grouped sigmoid routing, a shared expert, a
-score-correction bias, and a next-token-prediction (MTP) layer. Same bytes on every call.
+chat template, generation_config.json) whose fixed-seed random weights exercise every code
+path of a real checkpoint: MLA with q/kv LoRA, yarn rope, one dense layer then MoE layers with
+grouped sigmoid routing, a shared expert, a score-correction bias, and an MTP layer. Same
+bytes on every call; it speaks noise.
 
-The tokenizer is a byte-level BPE trained with ``tokenizers`` on ``data/demo_corpus.txt``,
-with DeepSeek-V3's tool-call and R1's thinking tokens added (512 ids in all). The result
-ships as ``data/demo_tokenizer.json`` so nothing is trained at run time;
+The tiny model's tokenizer is a byte-level BPE trained with ``tokenizers`` on
+``data/demo_corpus.txt``, with DeepSeek-V3's tool-call and R1's thinking tokens added (512 ids
+in all). The result ships as ``data/demo_tokenizer.json`` so nothing is trained at run time;
 ``train_demo_tokenizer()`` regenerates it (``python -m moeserve.demo``), and a test checks
-that regenerating gives the shipped file byte for byte.
+that regenerating gives the shipped file byte for byte. The trained demo's tokenizer is the
+same BPE retrained on its text with 2,048 ids (the same special and marker tokens).
 """
 
 from __future__ import annotations
@@ -26,7 +35,15 @@ from pathlib import Path
 DATA_DIR = Path(__file__).parent / "data"
 CORPUS_PATH = DATA_DIR / "demo_corpus.txt"
 TOKENIZER_PATH = DATA_DIR / "demo_tokenizer.json"
-DEMO_NAME = "demo-model-v4"  # bump when the written bytes change, so caches are rebuilt
+DEMO_DIR = DATA_DIR / "demo_model"  # the trained demo, shipped
+DEMO_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+TINY_NAME = "tiny-random-v4"  # bump when the written bytes change, so caches are rebuilt
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -59,7 +76,7 @@ BIAS_STD = 0.05  # e_score_correction_bias: small but large enough to change rou
 # of the demo tokenizer (MARKER_TOKENS), as in DeepSeek's. ``tools`` go into the
 # system prompt; ``thinking=true`` (chat_template_kwargs) opens a <think> section after the
 # assistant tag. A conversation of system, user and assistant turns without tools renders
-# as the template of demo-model-v2 did.
+# as it did before tools and thinking were added.
 CHAT_TEMPLATE = (
     "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
     "{% endif %}"
@@ -109,7 +126,7 @@ CHAT_TEMPLATE = (
     "{% if thinking is defined and thinking %}{{ '<think>\\n' }}{% endif %}{% endif %}"
 )
 
-DEMO_CONFIG: dict = {
+TINY_CONFIG: dict = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
     "vocab_size": VOCAB_SIZE,
@@ -167,7 +184,7 @@ TOKENIZER_CONFIG: dict = {
     "eos_token": EOS,
     "pad_token": EOS,
     "clean_up_tokenization_spaces": False,
-    "model_max_length": DEMO_CONFIG["max_position_embeddings"],
+    "model_max_length": TINY_CONFIG["max_position_embeddings"],
     "chat_template": CHAT_TEMPLATE,
 }
 
@@ -233,11 +250,11 @@ def write_demo_tokenizer(path: str | os.PathLike) -> Path:
     return out
 
 
-def write_demo_model(path: str | os.PathLike) -> Path:
-    """Write the demo model as a Hugging Face directory at ``path`` and return it.
+def write_tiny_model(path: str | os.PathLike) -> Path:
+    """Write the tiny random model as a Hugging Face directory at ``path`` and return it.
 
-    Creates ``path`` if needed and overwrites the demo's files in it; leaves other files alone.
-    The output is byte-identical on every call (same torch version).
+    Creates ``path`` if needed and overwrites the model's files in it; leaves other files
+    alone. The output is byte-identical on every call (same torch version).
     """
     from moeserve.models.synthetic import InitScales, write_random_deepseek
 
@@ -245,7 +262,7 @@ def write_demo_model(path: str | os.PathLike) -> Path:
     scales = InitScales(matrix=INIT_STD, head=HEAD_STD, bias=BIAS_STD)
     # 2.2 MB of fp32 weights in two shards: the sharded (index) path is exercised
     write_random_deepseek(
-        out, DEMO_CONFIG, seed=SEED, dtype="float32", max_shard_bytes=1_200_000, scales=scales
+        out, TINY_CONFIG, seed=SEED, dtype="float32", max_shard_bytes=1_200_000, scales=scales
     )
     return out
 
@@ -255,20 +272,20 @@ def _cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "moeserve"
 
 
-def demo_model_path() -> Path:
-    """Path of the demo model in ``$MOESERVE_CACHE`` (default ``~/.cache/moeserve``).
+def tiny_model_path() -> Path:
+    """Path of the tiny random model in ``$MOESERVE_CACHE`` (default ``~/.cache/moeserve``).
 
     Written once into a temporary sibling directory and renamed into place, so a crash never
     leaves a half-written model and concurrent callers agree on one copy.
     """
     root = _cache_root()
-    final = root / DEMO_NAME
+    final = root / TINY_NAME
     if (final / "model.safetensors.index.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.tmp-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}.tmp-", dir=root))
     try:
-        write_demo_model(tmp)
+        write_tiny_model(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it 0700
         try:
             os.rename(tmp, final)
@@ -279,6 +296,28 @@ def demo_model_path() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def demo_model_path() -> Path:
+    """The trained demo model shipped with the package (read in place, never written)."""
+    missing = [f for f in DEMO_FILES if not (DEMO_DIR / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the demo model in {DEMO_DIR} lacks {', '.join(missing)}: the package was installed "
+            "without its data files (python scripts/train_demo.py --out DIR writes the model; "
+            "pass --model DIR)"
+        )
+    return DEMO_DIR
+
+
+def write_demo_model(path: str | os.PathLike) -> Path:
+    """Copy the trained demo model's files to ``path`` (created if needed) and return it."""
+    src = demo_model_path()
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in DEMO_FILES:
+        shutil.copyfile(src / name, out / name)
+    return out
 
 
 def file_digest(path: str | os.PathLike) -> str:

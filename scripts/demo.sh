@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The main job on the built-in demo model: start the server, send one chat request with curl,
-# print the answer, stop the server (SIGTERM, as a service manager would).
+# The main job on the built-in demo model (a small DeepSeek-V3 trained on Python's
+# documentation, docs/demo_model.md): start the server, send one chat request with curl,
+# print the answer, stop the server (SIGTERM, as a service manager would). QUESTION=... asks
+# another question.
 set -euo pipefail
 BIN="${BIN:-.venv/bin}"
 PORT="${PORT:-8000}"
@@ -16,11 +18,13 @@ for _ in $(seq 1 600); do
   sleep 0.2
 done
 
-echo "POST /v1/chat/completions (random-weight demo model: the words are noise)"
+QUESTION="${QUESTION:-What is a generator?}"
+echo "POST /v1/chat/completions: $QUESTION"
+BODY="$("$BIN/python" -c 'import json, sys
+print(json.dumps({"model": "demo", "messages": [{"role": "user", "content": sys.argv[1]}],
+                  "max_tokens": 64, "temperature": 0}))' "$QUESTION")"
 curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" \
-  -H "Content-Type: application/json" \
-  -d '{"model": "demo", "messages": [{"role": "user", "content": "What does an expert do?"}],
-       "max_tokens": 48, "temperature": 0.8, "seed": 0}' |
+  -H "Content-Type: application/json" -d "$BODY" |
   "$BIN/python" -c 'import json, sys
 r = json.load(sys.stdin)
 print("answer:", r["choices"][0]["message"]["content"])

@@ -9,10 +9,12 @@ named in ``docs/demo_model.md``. Modern, plain English prose about one subject, 
 model of a few million parameters trained in two hours.
 
 What it keeps: the prose paragraphs and section titles of the tutorial, the library and
-language references, the how-tos, the FAQ, the glossary and "using"; markup is reduced to its
-text (``:func:`len``` -> ``len()``, ``:ref:`text <target>``` -> ``text``, ````x```` -> ``x``).
-What it drops: code (literal blocks, doctests), tables, comments, index entries, version notes,
-the C API, "what's new" and distutils. The question/answer pairs:
+language references, the how-tos, the FAQ, the glossary, "using", "what's new", the C API,
+"extending" and the (distutils-era) installing and distributing guides; markup is reduced to
+its text (``:func:`len``` -> ``len()``, ``:ref:`text <target>``` -> ``text``, ````x```` ->
+``x``). What it drops: code (literal blocks, doctests), tables, comments, index entries,
+version notes and every directive's body but the admonitions' (so the C API's per-function
+entries). The question/answer pairs:
 
 - the glossary: "What is a <term>?" -> the first paragraph of its definition;
 - each documented function, method and class: "What does <name>() do?" (a class: "What is
@@ -34,7 +36,22 @@ import re
 from pathlib import Path
 
 SOURCES = Path("/usr/share/doc/python3.11/html/_sources")
-PARTS = ("tutorial", "library", "reference", "howto", "faq", "using", "glossary.rst.txt")
+PARTS = (
+    "tutorial",
+    "library",
+    "reference",
+    "howto",
+    "faq",
+    "using",
+    "glossary.rst.txt",
+    "whatsnew",
+    "c-api",
+    "extending",
+    "install",
+    "installing",
+    "distributing",
+    "distutils",
+)
 OUT_DIR = Path(__file__).resolve().parent.parent / "moeserve" / "data"
 
 API = re.compile(r"^\.\. (function|method|class|exception|classmethod|staticmethod)::\s*(.+)$")
@@ -123,7 +140,7 @@ def blocks(lines: list[str]):
         if text.endswith("::"):
             skip_code_after = True
             text = text[:-2].rstrip()
-            text = text + ":" if text and not text.endswith(":") else text
+            text = text + ":" if text and text[-1] not in ".:;!?" else text
         text = inline(text.lstrip("*-#0123456789.) ") if para[0][:2] in ("* ", "- ") else text)
         if text:
             yield "para", ind, text

@@ -24,7 +24,7 @@ then the shared head's norm and the main model's LM head predict ``t_{i+2}`` (mo
 Writes a Hugging Face directory (config, bf16 safetensors with the MTP layer, tokenizer,
 ``train_log.json`` with the loss curve, ``loss.png``):
 
-    python scripts/train_demo.py --out /tmp/demo-trained [--steps 6000] [--threads 2]
+    python scripts/train_demo.py --out /tmp/demo-trained [--steps 4000] [--threads 2]
 """
 
 from __future__ import annotations
@@ -126,12 +126,12 @@ class MTP(nn.Module):
 def build(vocab: int, seed: int, arch: dict | None = None):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from moeserve.demo import DEMO_CONFIG
+    from moeserve.demo import TINY_CONFIG
 
     torch.manual_seed(seed)
     arch = {**ARCH, **(arch or {})}
     keys = set(DeepseekV3Config().to_dict()) | set(arch)
-    cfg = {k: v for k, v in {**DEMO_CONFIG, **arch}.items() if k in keys}
+    cfg = {k: v for k, v in {**TINY_CONFIG, **arch}.items() if k in keys}
     cfg["vocab_size"] = vocab
     config = DeepseekV3Config(**cfg)
     config._attn_implementation = "sdpa"
@@ -254,7 +254,8 @@ def save(out: Path, config, model, mtp, tok, log: dict) -> None:
     tensors[f"{p}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    cfg.update(num_hidden_layers=n, num_nextn_predict_layers=1, torch_dtype="bfloat16")
+    cfg.update(num_hidden_layers=n, num_nextn_predict_layers=1, dtype="bfloat16")
+    cfg["torch_dtype"] = "bfloat16"  # the name before transformers 4.56
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
     for name, obj in (
@@ -289,7 +290,7 @@ def plot(log: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)

@@ -40,8 +40,10 @@ class GrammarError(ValueError):
 # token (R1's, Qwen3's, the demo's), the section is any text without "</think>" in it, then
 # that token. Where "</think>" is text, the section is a lexeme that ends with it
 # (llguidance's suffix). A budget is counted beside the grammar (``grammar/budget.py``), on
-# token ids: it needs the markers as tokens.
-_WS = "ws: /[ \\t\\n]*/\n"
+# token ids: it needs the markers as tokens. The whitespace around the section is bounded
+# (R1 writes "\n\n" after "</think>"): unbounded, a model that never learned the answer's
+# format spends its tokens on spaces (vLLM's --disable-any-whitespace is for the same failure).
+_WS = "ws: /[ \\t\\n]{0,4}/\n"
 _END_RE = re.escape(THINK_END).replace("/", "\\/")  # inside a Lark /regex/
 _THINK_TEXT = f"THINK: /(?s:.*)/ & ~/(?s:.*){_END_RE}(?s:.*)/\n"
 

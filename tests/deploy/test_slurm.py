@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeserve.demo import write_demo_model
+from moeserve.demo import write_tiny_model
 from tests.deploy.slurm_cluster import (
     KILL_WAIT_S,
     ClusterError,
@@ -40,7 +40,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def model_dir(cluster: SlurmCluster) -> Path:
     # under the cluster's directory: the jobs' command lines name it, the teardown removes it
-    return write_demo_model(cluster.root / "model")
+    return write_tiny_model(cluster.root / "model")
 
 
 def test_srun_starts_one_rank_per_task_and_only_rank_0_prints(cluster, model_dir):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from moeserve import LLM, SamplingParams
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from moeserve.disagg.connector import NotDrainedError
 from moeserve.launch.spec import free_port
 
@@ -46,7 +46,7 @@ def group():
     """A prefill group; gone before the next test starts one (one group per process)."""
     port = free_port()
     llm = LLM(
-        str(demo_model_path()),
+        str(tiny_model_path()),
         **ENGINE,
         disaggregation_mode="prefill",
         disaggregation_host=HOST,
@@ -82,7 +82,7 @@ def test_a_switch_reaches_every_rank(group):
 
 
 def test_a_colocated_group_is_refused():
-    llm = LLM(str(demo_model_path()), **ENGINE)
+    llm = LLM(str(tiny_model_path()), **ENGINE)
     try:
         with pytest.raises(ValueError, match="serves colocated: only one started with"):
             llm.engine.set_disaggregation_mode("prefill")

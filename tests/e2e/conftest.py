@@ -4,7 +4,7 @@ import httpx
 import openai
 import pytest
 
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from tests.e2e.pd_compare import Deployment, deploy, stop_all
 from tests.e2e.server import API_KEY, RunningServer, start_server
 
@@ -46,7 +46,7 @@ def model(client) -> str:
 @pytest.fixture(scope="package")
 def pd_demo() -> Deployment:
     """A colocated, a prefill and a decode instance on the demo model (DeepSeek-V3 layout)."""
-    d = deploy(str(demo_model_path()))
+    d = deploy(str(tiny_model_path()))
     yield d
     stop_all(d.instances)
 

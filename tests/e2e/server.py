@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from moeserve.demo import tiny_model_path
+
 _URL = re.compile(r"on (http://[\d.]+:\d+)")
 API_KEY = "test-key"
 
@@ -63,9 +65,15 @@ class RunningServer:
         assert not self.engine_pids()
 
 
-def start_server(*args: str, timeout: float = 120.0, env: dict | None = None) -> RunningServer:
-    """``moeserve serve --port 0 ARGS``; returns once /health answers 200."""
+def start_server(
+    *args: str, timeout: float = 120.0, env: dict | None = None, builtin_demo: bool = False
+) -> RunningServer:
+    """``moeserve serve --port 0 ARGS``; returns once /health answers 200. Without
+    ``--model`` in ARGS it serves the tiny random model, or with ``builtin_demo`` what a
+    user gets without ``--model``: the trained demo."""
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", "0", "--log-level", "info"]
+    if "--model" not in args and not builtin_demo:  # small and exact
+        cmd += ["--model", str(tiny_model_path())]
     full_env = {**os.environ, **(env or {})}
     full_env.setdefault("MOESERVE_CACHE", os.environ.get("MOESERVE_CACHE", ""))
     if not full_env["MOESERVE_CACHE"]:

@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 
-from moeserve.demo import DEMO_CONFIG
+from moeserve.demo import TINY_CONFIG
 from tests.e2e.server import start_server
 from tests.e2e.test_metrics import _expert_sums, _scrape
 
@@ -51,7 +51,7 @@ def test_serving_on_an_expert_parallel_group(tmp_path):
         engines = {dict(k[1]).get("engine") for k in samples if k[0].endswith("requests_running")}
         assert engines == {"0", "1"}
         sums = _expert_sums(samples)
-        moe = range(DEMO_CONFIG["first_k_dense_replace"], DEMO_CONFIG["num_hidden_layers"])
+        moe = range(TINY_CONFIG["first_k_dense_replace"], TINY_CONFIG["num_hidden_layers"])
         assert sorted(sums) == [str(i) for i in moe]
         assert len({sums[str(i)] for i in moe}) == 1  # every layer saw the same tokens
         stats = httpx.get(f"{srv.url}/debug/engine").json()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeserve.demo import DEMO_CONFIG
+from moeserve.demo import TINY_CONFIG
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -80,10 +80,10 @@ def test_counters_match_what_was_sent(server, http, client, model):
         u.prompt_tokens - u.prompt_tokens_details.cached_tokens + u.completion_tokens - 1
         for u in sent
     )
-    top_k = DEMO_CONFIG["num_experts_per_tok"]
+    top_k = TINY_CONFIG["num_experts_per_tok"]
     moe_layers = [
         str(i)
-        for i in range(DEMO_CONFIG["first_k_dense_replace"], DEMO_CONFIG["num_hidden_layers"])
+        for i in range(TINY_CONFIG["first_k_dense_replace"], TINY_CONFIG["num_hidden_layers"])
     ]
     sums_before, sums_after = _expert_sums(before), _expert_sums(after)
     assert sorted(sums_after) == moe_layers
@@ -169,4 +169,4 @@ def test_scrapes_read_the_engines_snapshot_and_never_ask_the_engine(server, http
     computed += usage.completion_tokens - 1
     sums_before, sums_after = _expert_sums(before), _expert_sums(after)
     for layer, total in sums_after.items():
-        assert total - sums_before.get(layer, 0.0) == DEMO_CONFIG["num_experts_per_tok"] * computed
+        assert total - sums_before.get(layer, 0.0) == TINY_CONFIG["num_experts_per_tok"] * computed

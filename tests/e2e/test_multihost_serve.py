@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from moeserve.demo import tiny_model_path
 from tests.e2e.server import start_server
 from tests.netns import HOST_A, in_host, two_hosts
 
@@ -33,6 +34,7 @@ DTYPE = ("--dtype", "float32")
 
 def _serve_cmd(node: int, *extra: str) -> list[str]:
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--ep", "2", "--nnodes", "2"]
+    cmd += ["--model", str(tiny_model_path())]
     cmd += ["--node-rank", str(node), "--master-addr", HOST_A, "--master-port", str(MASTER_PORT)]
     cmd += ["--log-level", "info", "--dist-timeout", "60", *DTYPE, *extra]
     if node == 0:
@@ -309,6 +311,7 @@ def test_serve_under_torchrun_on_two_nodes(tmp_path, one_process_answers):
         cmd += ["--nproc-per-node", "1", "--node-rank", str(node)]
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(master)]
         cmd += ["-m", "moeserve.cli", "serve", "--ep", "2", *DTYPE, "--port", str(port)]
+        cmd += ["--model", str(tiny_model_path())]
         log_path = tmp_path / f"torchrun{node}.log"
         with open(log_path, "w") as log:
             nodes.append(

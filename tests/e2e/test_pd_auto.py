@@ -26,7 +26,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from tests.e2e import pd_cluster as pc
 from tests.e2e.pd_compare import assert_same, complete, disagg_stats, model_name, stop_all, words
 from tests.e2e.server import RunningServer
@@ -63,7 +63,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster():
-    path = str(demo_model_path())
+    path = str(tiny_model_path())
     slots = ("--max-num-seqs", str(SLOTS))
     servers = pc.start_servers(
         pc.colocated_args(path),

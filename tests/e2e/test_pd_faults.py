@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from tests.e2e import pd_cluster as pc
 from tests.e2e.pd_compare import (
     Out,
@@ -52,7 +52,7 @@ class FaultRig:
 
 @pytest.fixture(scope="module")
 def faults(pd_demo):
-    path = str(demo_model_path())
+    path = str(tiny_model_path())
     p_timeout = ("--disaggregation-transfer-timeout", str(PREFILL_TIMEOUT_S))
     d_timeout = ("--disaggregation-transfer-timeout", str(DECODE_TIMEOUT_S))
     servers = pc.start_servers(

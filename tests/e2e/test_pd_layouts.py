@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from tests.e2e import pd_cluster as pc
 from tests.e2e.pd_compare import (
     Deployment,
@@ -51,7 +51,7 @@ def layout_outputs(d: Deployment, prefill_extra: tuple, decode_extra: tuple, pat
 def test_prefill_tp2_into_decode_ep2_matches_colocated(pd_demo):
     """MLA's latent moves from a tensor-parallel prefill instance into one of two
     DP-attention replicas of an expert-parallel decode instance."""
-    got, prompts = layout_outputs(pd_demo, ("--tp", "2"), ("--ep", "2"), str(demo_model_path()))
+    got, prompts = layout_outputs(pd_demo, ("--tp", "2"), ("--ep", "2"), str(tiny_model_path()))
     for i, (g, p) in enumerate(zip(got, prompts, strict=True)):
         want = complete(pd_demo.colocated.url, pd_demo.model, p, stream=False, max_tokens=16)
         assert_same(g, want, f"TP2 -> EP2 stream {i}")

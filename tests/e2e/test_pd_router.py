@@ -25,7 +25,7 @@ import time
 import openai
 import pytest
 
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from tests.e2e import pd_cluster as pc
 from tests.e2e.pd_compare import (
     CHUNK,
@@ -188,7 +188,7 @@ def test_the_router_refuses_a_colocated_instance_as_prefill(pd_demo):
 @pytest.fixture(scope="module")
 def demo_spare(pd_demo):
     """A second prefill and a second decode instance next to ``pd_demo``'s."""
-    path = str(demo_model_path())
+    path = str(tiny_model_path())
     prefill, decode = pc.start_servers(prefill_args(path), pc.decode_args(path))
     yield prefill, decode
     stop_all([prefill, decode])

@@ -1,4 +1,4 @@
-"""Structured output through the official ``openai`` client on the random-weight demo
+"""Structured output through the official ``openai`` client on the tiny random-weight
 model: whatever it would say, the output parses and validates. ``parse`` with a pydantic
 model, ``json_object``, vLLM's ``guided_*`` fields (regex, choice, grammar), a batch of
 constrained and free requests, streaming, a grammar cut by ``max_tokens`` and bad schemas

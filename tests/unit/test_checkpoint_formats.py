@@ -113,9 +113,9 @@ def test_missing_dir_and_config(tmp_path):
 
 
 def test_mtp_layers_load_and_can_be_skipped(tmp_path):
-    from moeserve.demo import write_demo_model
+    from moeserve.demo import write_tiny_model
 
-    path = write_demo_model(tmp_path / "demo")
+    path = write_tiny_model(tmp_path / "demo")
     model, cfg, _ = load_model(path, torch.float32, progress=False)
     assert cfg.num_nextn_predict_layers == 1 and len(model.mtp_layers) == 1
     n = cfg.num_hidden_layers

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from moeserve import LLM, SamplingParams
-from moeserve.demo import DEMO_NAME
+from moeserve.demo import TINY_NAME, demo_model_path
 
 
 def _run(*args: str, cache) -> subprocess.CompletedProcess:
@@ -28,24 +28,21 @@ def test_generate_streams_with_the_demo_model(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "[12 tokens, finish_reason=length]" in r.stderr
-    assert (tmp_path / DEMO_NAME / "config.json").is_file()  # created once, cached
+    assert not (tmp_path / TINY_NAME).exists()  # the shipped demo, read in place
     # greedy CLI output equals the offline API's text for the same prompt
-    llm = LLM(model=str(tmp_path / DEMO_NAME), progress=False)
-    text = (
-        llm.generate("Hello there", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
-            0
-        ]
-        .outputs[0]
-        .text
-    )
-    assert r.stdout == text + "\n"
+    llm = LLM(model=str(demo_model_path()), progress=False)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert r.stdout == llm.generate("Hello there", params)[0].outputs[0].text + "\n"
 
 
 def test_generate_chat_and_demo_model_command(tmp_path):
     out = tmp_path / "exported"
-    r = _run("demo-model", str(out), cache=tmp_path)
+    r = _run("demo-model", str(out), "--tiny", cache=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (out / "tokenizer.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    r = _run("demo-model", str(tmp_path / "demo"), cache=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "demo" / "model.safetensors").is_file()
     r = _run(
         "generate",
         "--model",

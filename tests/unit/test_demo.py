@@ -25,8 +25,8 @@ FILES = (
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    return demo.write_demo_model(tmp_path_factory.mktemp("demo") / "model")
+def tiny_dir(tmp_path_factory) -> Path:
+    return demo.write_tiny_model(tmp_path_factory.mktemp("demo") / "model")
 
 
 def _load_all(d: Path) -> dict[str, torch.Tensor]:
@@ -38,22 +38,22 @@ def _load_all(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_files_present_and_index_consistent(demo_dir):
+def test_files_present_and_index_consistent(tiny_dir):
     for name in FILES:
-        assert (demo_dir / name).is_file(), name
-    index = json.loads((demo_dir / "model.safetensors.index.json").read_text())
+        assert (tiny_dir / name).is_file(), name
+    index = json.loads((tiny_dir / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(SHARDS)
-    tensors = _load_all(demo_dir)
+    tensors = _load_all(tiny_dir)
     assert set(tensors) == set(index["weight_map"])
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in tensors.values())
     for shard in SHARDS:  # each shard holds exactly what the index says
-        with safe_open(str(demo_dir / shard), framework="pt") as f:
+        with safe_open(str(tiny_dir / shard), framework="pt") as f:
             assert {k for k, v in index["weight_map"].items() if v == shard} == set(f.keys())
 
 
-def test_tensor_names_and_shapes(demo_dir):
-    t = _load_all(demo_dir)
-    cfg = json.loads((demo_dir / "config.json").read_text())
+def test_tensor_names_and_shapes(tiny_dir):
+    t = _load_all(tiny_dir)
+    cfg = json.loads((tiny_dir / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["vocab_size"] == 512
     assert all(v.dtype == torch.float32 for v in t.values())
     expect = {
@@ -93,10 +93,10 @@ def test_tensor_names_and_shapes(demo_dir):
     )
 
 
-def test_deterministic_bytes(demo_dir, tmp_path):
-    again = demo.write_demo_model(tmp_path / "again")
+def test_deterministic_bytes(tiny_dir, tmp_path):
+    again = demo.write_tiny_model(tmp_path / "again")
     for name in FILES:
-        assert demo.file_digest(demo_dir / name) == demo.file_digest(again / name), name
+        assert demo.file_digest(tiny_dir / name) == demo.file_digest(again / name), name
 
 
 def test_shipped_tokenizer_regenerates_identically():
@@ -111,31 +111,31 @@ def test_shipped_tokenizer_regenerates_identically():
     assert out == shipped
 
 
-def test_transformers_loads_it(demo_dir):
+def test_transformers_loads_it(tiny_dir):
     transformers = pytest.importorskip("transformers")
     model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
-        demo_dir, output_loading_info=True
+        tiny_dir, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["mismatched_keys"]
     assert info["unexpected_keys"]  # the MTP layer, which transformers does not model
     assert all(k.startswith("model.layers.3.") for k in info["unexpected_keys"])
-    tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     ids = torch.tensor([tok("The lighthouse keeper").input_ids])
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], 512) and torch.isfinite(logits).all()
 
 
-def test_model_config_parses(demo_dir):
+def test_model_config_parses(tiny_dir):
     from moeserve.models.hf_config import ModelConfig
 
-    mc = ModelConfig.from_dir(demo_dir)
+    mc = ModelConfig.from_dir(tiny_dir)
     assert mc.num_experts == 16 and mc.num_nextn_predict_layers == 1
     assert mc.rope.type == "yarn" and mc.eos_token_ids == (1,)
 
 
-def test_tokenizer_round_trips(demo_dir):
-    tok = Tokenizer.from_dir(demo_dir)
+def test_tokenizer_round_trips(tiny_dir):
+    tok = Tokenizer.from_dir(tiny_dir)
     assert tok.vocab_size == 512 and tok.eos_token_ids == frozenset({1})
     for line in demo.CORPUS_PATH.read_text(encoding="utf-8").splitlines()[::7]:
         ids = tok.encode(line)
@@ -150,21 +150,21 @@ def test_tokenizer_round_trips(demo_dir):
     assert ids.count(2) == 1  # <｜User｜> is one token
 
 
-def test_demo_model_path_is_cached_and_atomic(tmp_path, monkeypatch):
+def test_tiny_model_path_is_cached_and_atomic(tmp_path, monkeypatch):
     monkeypatch.setenv("MOESERVE_CACHE", str(tmp_path / "cache"))
-    p = demo.demo_model_path()
-    assert p == tmp_path / "cache" / demo.DEMO_NAME
+    p = demo.tiny_model_path()
+    assert p == tmp_path / "cache" / demo.TINY_NAME
     assert all((p / f).is_file() for f in FILES)
     mtime = (p / SHARDS[0]).stat().st_mtime_ns
-    assert demo.demo_model_path() == p
+    assert demo.tiny_model_path() == p
     assert (p / SHARDS[0]).stat().st_mtime_ns == mtime  # not rewritten
-    assert [x.name for x in (tmp_path / "cache").iterdir()] == [demo.DEMO_NAME]  # no temp left
+    assert [x.name for x in (tmp_path / "cache").iterdir()] == [demo.TINY_NAME]  # no temp left
 
 
-def test_demo_model_path_ignores_half_written_temp(tmp_path, monkeypatch):
+def test_tiny_model_path_ignores_half_written_temp(tmp_path, monkeypatch):
     monkeypatch.setenv("MOESERVE_CACHE", str(tmp_path))
-    stale = tmp_path / f".{demo.DEMO_NAME}.tmp-crashed"
+    stale = tmp_path / f".{demo.TINY_NAME}.tmp-crashed"
     stale.mkdir()
     (stale / "config.json").write_text("{}")
-    p = demo.demo_model_path()
+    p = demo.tiny_model_path()
     assert (p / "model.safetensors.index.json").is_file()

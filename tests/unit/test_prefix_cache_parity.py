@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from moeserve.ops.cpu import bf16_amx
 from moeserve.platform import cpu_flags
 from tests.checkpoints import VOCAB, build_hf_model, save_hf_checkpoint
@@ -79,7 +79,7 @@ def models(tmp_path_factory):
     Qwen3-MoE's GQA attention)."""
     root = tmp_path_factory.mktemp("parity")
     return {
-        "demo": demo_model_path(),
+        "demo": tiny_model_path(),
         "deepseek_v3": save_hf_checkpoint(build_hf_model("deepseek_v3"), root / "ds"),
         "qwen3_moe": save_hf_checkpoint(build_hf_model("qwen3_moe"), root / "qwen"),
     }
@@ -124,7 +124,7 @@ def test_one_token_left_after_a_hit_runs_the_prefill_path():
     path, as in the cold run (the decode path moved these logprobs by ~1e-2 and changed a
     greedy output)."""
     prompts = [p for p in shared_prefix_prompts(seed=2) if len(p) % BS == 1 and len(p) > BS]
-    path = demo_model_path()
+    path = tiny_model_path()
     cold_llm = bf16_llm(path, enable_prefix_caching=False)
     cold = [run(cold_llm, [p])[0] for p in prompts]
     llm = bf16_llm(path)
@@ -140,7 +140,7 @@ def test_one_token_left_after_a_hit_runs_the_prefill_path():
 def test_next_turn_repeating_an_answer_matches_cold():
     """Turn 2 repeats turn 1's prompt and answer: it hits the prompt's blocks and recomputes
     the answer's (decode-computed blocks are not cached), as a cold run computes them."""
-    path = demo_model_path()
+    path = tiny_model_path()
     g = torch.Generator().manual_seed(3)
     first = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (20, 37, 64, 90, 130)]
     llm = bf16_llm(path)

@@ -16,7 +16,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.core import Logprob
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from moeserve.engine.codec import SeqStepOutput
 from moeserve.text_tracker import TextOptions, TextStep, TextTracker, find_stop
 from moeserve.tokenizer import Tokenizer
@@ -69,7 +69,7 @@ class ScriptedRunner:
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_dir(demo_model_path())
+    return Tokenizer.from_dir(tiny_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def engines() -> dict[str, LLM]:
     out = {}
     for name, k in (("plain", 0), ("spec", K)):
         kw = {"speculative_num_tokens": k} if k else {}
-        llm = LLM(model=str(demo_model_path()), max_model_len=256, progress=False, **kw)
+        llm = LLM(model=str(tiny_model_path()), max_model_len=256, progress=False, **kw)
         llm.engine.runner = ScriptedRunner(k)
         out[name] = llm
     return out
@@ -247,7 +247,7 @@ def test_the_spec_engine_appends_k_plus_one_tokens_a_step(engines, tok):
 
 
 def test_the_demo_model_gives_the_same_completion_through_both_paths(tok):
-    llm = LLM(model=str(demo_model_path()), max_model_len=256, progress=False)
+    llm = LLM(model=str(tiny_model_path()), max_model_len=256, progress=False)
     base = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     text, token_ids = base[0].outputs[0].text, base[0].outputs[0].token_ids
     stop = next(text[i : i + 2] for i in range(4, len(text)) if text.find(text[i : i + 2]) < i)

@@ -10,11 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moeserve.demo import DEMO_CONFIG
+from moeserve.demo import TINY_CONFIG
 
-# the demo model's shapes (DEMO_CONFIG), without YaRN and the MTP layer; layers set per call
+# the tiny random model's shapes (TINY_CONFIG), without YaRN and the MTP layer; layers set
+# per call
 TINY = {
-    **DEMO_CONFIG,
+    **TINY_CONFIG,
     "rope_scaling": None,
     "num_nextn_predict_layers": 0,
     "max_position_embeddings": 512,

@@ -21,7 +21,7 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.core import KVTransferParams, RequestOutput, SamplingParams
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from moeserve.disagg import decode as decode_side
 from moeserve.disagg.mooncake import FAILED, PENDING
 from moeserve.engine.engine import LLMEngine
@@ -170,7 +170,7 @@ def qwen_checkpoint(tmp_path_factory) -> str:
 def pair(request) -> Pair:
     """MLA (the demo DeepSeek-V3) and GQA (a tiny Qwen3-MoE)."""
     model = (
-        str(demo_model_path())
+        str(tiny_model_path())
         if request.param == "demo"
         else request.getfixturevalue("qwen_checkpoint")
     )
@@ -183,7 +183,7 @@ def pair(request) -> Pair:
 def fast() -> Pair:
     """Demo engines whose transfers time out after FAST_TIMEOUT_S."""
     p = Pair(
-        str(demo_model_path()),
+        str(tiny_model_path()),
         colocated=False,
         disaggregation_transfer_timeout_s=FAST_TIMEOUT_S,
     )
@@ -404,7 +404,7 @@ def test_a_decode_side_with_another_prompt_fails_on_both_sides(fast, want_first)
 
 
 def test_another_checkpoint_on_the_decode_side_fails_on_both_sides(fast, tmp_path):
-    model = shutil.copytree(demo_model_path(), tmp_path / "demo")
+    model = shutil.copytree(tiny_model_path(), tmp_path / "demo")
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "note": "another checkpoint"}))
     other = engine(str(model), "decode", disaggregation_transfer_timeout_s=FAST_TIMEOUT_S)
@@ -425,7 +425,7 @@ def test_under_load_the_decode_side_never_runs_on_kv_still_landing(monkeypatch):
     hold the KV the prefill side computed. (When a batch of many writes looked done after its
     first write, a few in a hundred ran on KV still on its way, or on blocks the prefill side
     had reused already.)"""
-    pair = Pair(str(demo_model_path()), colocated=False)
+    pair = Pair(str(tiny_model_path()), colocated=False)
     P, D = pair.P, pair.D
     sent: dict[int, list[torch.Tensor]] = {}
     start, arrived = P.kv_connector.control._start, D.scheduler.kv_arrived

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moeserve.config import DisaggregationOptions
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from moeserve.disagg import bootstrap as b
 from moeserve.disagg import regroup
 from moeserve.disagg.connector import RankInfo
@@ -190,7 +190,7 @@ def test_prefill_assigns_writers_for_every_split():
 
 def test_decode_unpacks_before_the_last_token_runs():
     options = DisaggregationOptions(mode="decode")
-    control = DecodeControl(options, infos(TP1), str(demo_model_path()))
+    control = DecodeControl(options, infos(TP1), str(tiny_model_path()))
     try:
         peer = ("127.0.0.1", 1)
         for room, sources in ((1, [[0, 2], [2, 2]]), (2, None), (3, [[0, 1]])):

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from moeserve.core import KVTransferParams, SamplingParams
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from moeserve.disagg.connector import NotDrainedError
 from tests.unit.disagg.test_connector import (
     GREEDY,
@@ -25,7 +25,7 @@ from tests.unit.disagg.test_connector import (
 
 @pytest.fixture(scope="module")
 def engines():
-    model = str(demo_model_path())
+    model = str(tiny_model_path())
     a = engine(model, "prefill")
     b = engine(model, "decode", disaggregation_bootstrap_port=free_port())
     c = engine(model)

@@ -12,14 +12,14 @@ import pytest
 
 from moeserve.config import DisaggregationOptions
 from moeserve.core import KVTransferParams, SamplingParams
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from moeserve.disagg.connector import Control, NotDrainedError, RankInfo
 from moeserve.disagg.decode import DecodeControl
 from moeserve.disagg.factory import check_switch, make_control, switch_control
 from moeserve.disagg.prefill import PrefillControl
 from tests.unit.disagg.test_connector import HOST, engine, free_port
 
-MODEL = str(demo_model_path())
+MODEL = str(tiny_model_path())
 PROMPT = list(range(4, 24))
 
 

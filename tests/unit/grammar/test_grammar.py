@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeserve.core import SamplingParams, Sequence
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from moeserve.grammar.bank import GrammarBank
 from moeserve.grammar.bitmask import (
     apply_bitmask,
@@ -27,7 +27,7 @@ V = 520  # wider than the demo tokenizer's 512 ids, as a model's logits may be
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_dir(demo_model_path())
+    return Tokenizer.from_dir(tiny_model_path())
 
 
 @pytest.mark.parametrize("apply", [apply_bitmask, torch_apply_bitmask])
@@ -200,7 +200,7 @@ def test_the_engine_and_server_do_not_import_torch_dynamo():
 def test_the_engine_refuses_a_bad_grammar_when_it_is_added():
     from moeserve import LLM
 
-    llm = LLM(progress=False, max_model_len=128)
+    llm = LLM(model=str(tiny_model_path()), progress=False, max_model_len=128)
     with pytest.raises(GrammarError, match="invalid regex"):
         llm.generate(["hi"], SamplingParams(max_tokens=4, guided_decoding={"regex": "[a-"}))
     assert not llm.engine.has_unfinished_requests()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moeserve.core import SamplingParams, Sequence
-from moeserve.demo import MARKER_TOKENS, demo_model_path
+from moeserve.demo import MARKER_TOKENS, tiny_model_path
 from moeserve.grammar.bank import GrammarBank
 from moeserve.grammar.compile import GrammarError, compile_for
 from moeserve.grammar.markers import lark_text, marker_tokens
@@ -28,7 +28,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_dir(demo_model_path())
+    return Tokenizer.from_dir(tiny_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,17 @@ def test_the_answer_after_a_thinking_section(request, which, thinking, text, ok)
     assert _accepts(tokenizer, params, tokenizer.encode(text, add_special_tokens=False)) == ok
     with pytest.raises(ValueError, match="thinking must be"):
         GuidedDecodingParams(regex="a", thinking="maybe")
+
+
+@pytest.mark.parametrize(
+    "gap, ok", [("", True), ("\n\n", True), (" \n \n", True), (" " * 5, False)]
+)
+def test_the_whitespace_after_the_section_is_bounded(tok, gap, ok):
+    """A model that never learned the answer's format could otherwise spend its tokens on
+    spaces before the answer (the trained demo did, before a tool call)."""
+    params = GuidedDecodingParams(regex="[a-z]+", thinking="inside")
+    ids = tok.encode(f"hm</think>{gap}abc", add_special_tokens=False)
+    assert _accepts(tok, params, ids) == ok
 
 
 def test_the_section_ends_with_the_token_and_never_its_spelling(tok, spelled):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from moeserve.core import CompletionOutput, Logprob, RequestOutput, SamplingParams
-from moeserve.demo import demo_model_path
+from moeserve.demo import tiny_model_path
 from moeserve.distributed.parallel_dims import ParallelDims
 from moeserve.launch.group_stats import merge_stats
 from moeserve.serving import messages as m
@@ -21,7 +21,7 @@ from moeserve.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_dir(demo_model_path())
+    return Tokenizer.from_dir(tiny_model_path())
 
 
 def test_messages_round_trip_and_refuse_strangers():

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from moeserve import LLM, SamplingParams
-from moeserve.demo import DEMO_CONFIG, demo_model_path
+from moeserve.demo import TINY_CONFIG, tiny_model_path
 
 PROMPT = [5, 17, 33, 60, 101, 7, 250]
 
 
 @pytest.fixture(scope="module")
 def engine():
-    llm = LLM(model=str(demo_model_path()), max_model_len=256, progress=False)
+    llm = LLM(model=str(tiny_model_path()), max_model_len=256, progress=False)
     return llm.engine
 
 
@@ -82,9 +82,9 @@ def test_stats_count_routed_tokens(engine):
     after = engine.stats()
     cached = outs[-1].num_cached_tokens
     computed = 11 - cached + 6 - 1
-    moe_layers = range(DEMO_CONFIG["first_k_dense_replace"], DEMO_CONFIG["num_hidden_layers"])
+    moe_layers = range(TINY_CONFIG["first_k_dense_replace"], TINY_CONFIG["num_hidden_layers"])
     assert sorted(after["expert_counts"]) == list(moe_layers)
-    top_k = DEMO_CONFIG["num_experts_per_tok"]
+    top_k = TINY_CONFIG["num_experts_per_tok"]
     for layer in moe_layers:
         grew = sum(after["expert_counts"][layer]) - sum(before["expert_counts"][layer])
         assert grew == top_k * computed

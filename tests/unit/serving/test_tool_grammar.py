@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moeserve.core import SamplingParams, Sequence
-from moeserve.demo import MARKER_TOKENS, demo_model_path
+from moeserve.demo import MARKER_TOKENS, tiny_model_path
 from moeserve.grammar.bank import GrammarBank
 from moeserve.grammar.markers import marker_tokens
 from moeserve.grammar.tokenizer import ll_tokenizer
@@ -45,7 +45,7 @@ VARIANTS = ["demo", "qwen", "spelled"]
 def tokenizers(tmp_path_factory) -> dict[str, Tokenizer]:
     root = tmp_path_factory.mktemp("tok")
     return {
-        "demo": Tokenizer.from_dir(demo_model_path()),
+        "demo": Tokenizer.from_dir(tiny_model_path()),
         "qwen": demo_tokenizer_variant(root / "q", add=("<tool_call>", "</tool_call>")),
         "spelled": demo_tokenizer_variant(root / "s", drop=MARKER_TOKENS),
     }
