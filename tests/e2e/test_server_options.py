@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from moeserve.demo import DEMO_NAME
+from moeserve.demo import TINY_NAME
 from tests.e2e.server import RunningServer, start_server
 
 ENV_KEY = "key-from-the-environment"
@@ -64,7 +64,7 @@ def test_served_model_names_are_listed_required_and_echoed(named_server):
     # the model directory's name, the default without the flag, is not served
     assert models[0].model_extra["root"] == NAMES[0]
     with pytest.raises(openai.BadRequestError, match="is not served here") as e:
-        client.completions.create(model=DEMO_NAME, prompt="hi", max_tokens=2)
+        client.completions.create(model=TINY_NAME, prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     # a request that names no model is answered as the first name
     headers = {"Authorization": f"Bearer {ENV_KEY}"}
