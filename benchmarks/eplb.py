@@ -40,7 +40,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -376,7 +376,7 @@ def main() -> None:
         ]
         notes[src] = dict(
             steps=len(tokens), tokens=sum(tokens), seconds=round(secs, 1), hot_bias=hot,
-            expert_load=per_layer,
+            expert_load=per_layer, shape=asdict(shape),
         )  # fmt: skip
         print(f"{src}: {len(tokens)} forward steps, {sum(tokens)} tokens, {secs:.0f} s")
         loads_text = ", ".join(f"{r['layer']}: {r['min']:.2f}-{r['max']:.2f}" for r in per_layer)
@@ -403,6 +403,7 @@ def main() -> None:
         eplb_step.print_rows(step_rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # the benchmark model's shape (zipf's too); a model source's own is in its notes
     record = dict(
         rows=rows, sources=notes, experts=BENCH.experts, groups=BENCH.groups,
         moe_layers=BENCH.moe_layers,
