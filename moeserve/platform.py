@@ -25,17 +25,26 @@ _DTYPES = {
 }
 
 
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags in the text of /proc/cpuinfo: x86's ``flags`` line (``avx2``,
+    ``amx_tile``, ...) or aarch64's ``Features`` line (``asimd``, ``asimddp``, ``sve``, ...)
+    of the first CPU; empty when it has neither."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (Linux); empty when unknown."""
+    """The CPU feature flags of /proc/cpuinfo (Linux; see :func:`parse_cpu_flags`); empty
+    when unknown."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+            return parse_cpu_flags(f.read())
     except OSError:
-        pass
-    return frozenset()
+        return frozenset()
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -1,11 +1,18 @@
 """Build and load the C kernels of ``moeserve/ops/cpu``: each ``*.c`` source is compiled once
-per source version with the system C compiler into ``$MOESERVE_CACHE/kernels`` and loaded
-with ctypes (no torch headers, so a build takes about a second).
+per source version and flags with the system C compiler into ``$MOESERVE_CACHE/kernels`` and
+loaded with ctypes (no torch headers, so a build takes about a second).
+
+The flags follow the machine (:func:`compile_flags`): on x86-64 AVX2 and FMA, the baseline of
+every kernel (wider paths are picked at run time inside them); on aarch64 ``-march`` from what
+the CPU reports (:func:`arm_march`). On aarch64 only the sources in :data:`PORTABLE` build so
+far; the rest have x86 bodies only (issue 27 adds their NEON/SVE ones).
 
 Loaded after torch, a library's OpenMP calls bind to the ``libgomp.so.1`` torch already
 loaded, so it shares torch's thread pool and ``torch.set_num_threads``. :func:`load` returns
-None, and callers use their pure-torch references, when the CPU lacks AVX2/FMA, no compiler is
-found, the build fails, or ``MOESERVE_CPU_KERNELS=0``.
+None, and callers use their pure-torch references, on a CPU without the baseline (x86-64
+without AVX2/FMA, aarch64 without NEON, any other architecture), for a source without a body
+for this architecture, when no compiler is found or the build fails, or with
+``MOESERVE_CPU_KERNELS=0``.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -24,10 +32,35 @@ from moeserve.platform import cpu_flags, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# sources in portable C (no intrinsics), which build for aarch64 as they are
+PORTABLE = frozenset({"bitmask.c", "moe_sort.c", "rope.c"})
+# aarch64 Features -> GCC -march extension, in the order GCC expects them
+_ARM_EXTENSIONS = (("asimddp", "dotprod"), ("i8mm", "i8mm"), ("bf16", "bf16"), ("sve", "sve"))
 
 
-def _compile(source: Path, out: Path) -> None:
+def arm_march(features: frozenset[str]) -> str:
+    """GCC's ``-march`` for an aarch64 CPU from its /proc/cpuinfo ``Features``: Armv8-A
+    with NEON, the baseline, plus the int8 dot-product (SDOT), int8 matrix (SMMLA), bf16
+    (BFMMLA) and SVE extensions the CPU reports (they need Armv8.2-A)."""
+    ext = [name for feature, name in _ARM_EXTENSIONS if feature in features]
+    return "-march=" + "+".join(["armv8.2-a" if ext else "armv8-a", *ext])
+
+
+def compile_flags(machine: str, features: frozenset[str]) -> tuple[str, ...] | None:
+    """The compiler flags of the kernels on a ``machine`` (``platform.machine()``) whose CPU
+    reports ``features``; None where they do not run (see the module's doc)."""
+    if machine in ("x86_64", "AMD64"):
+        if not {"avx2", "fma"} <= features:
+            return None
+        return ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+    if machine in ("aarch64", "arm64"):
+        if "asimd" not in features:
+            return None
+        return ("-O3", arm_march(features), "-fopenmp", "-shared", "-fPIC")
+    return None
+
+
+def _compile(source: Path, out: Path, flags: tuple[str, ...]) -> None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) found")
@@ -35,7 +68,7 @@ def _compile(source: Path, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, str(source), "-o", tmp, "-lm"]
+        cmd = [cc, *flags, str(source), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)  # atomic: concurrent builders agree on one file
     finally:
@@ -49,15 +82,20 @@ def load(source: Path) -> ctypes.CDLL | None:
     cannot be built here (logged once as a warning)."""
     if os.environ.get("MOESERVE_CPU_KERNELS", "1") == "0":
         return None
-    if not {"avx2", "fma"} <= cpu_flags():
+    machine = platform.machine()
+    flags = compile_flags(machine, cpu_flags())
+    if flags is None:
+        return None
+    if machine in ("aarch64", "arm64") and source.name not in PORTABLE:
+        logger.debug("%s has no aarch64 body yet: the torch reference runs", source.name)
         return None
     # the headers beside the source are part of it (common.h)
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:12]
     path = Path(default_cache_dir()) / "kernels" / f"{source.stem}-{digest}.so"
     try:
         if not path.is_file():
-            _compile(source, path)
+            _compile(source, path, flags)
         return ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
