@@ -1,0 +1,82 @@
+"""Kernels of ``moeserve/ops/cpu`` built for aarch64 and run under qemu's user-mode emulation
+on this x86 machine, so their ARM bodies are tested against the same torch references as
+the x86 ones.
+
+Each kernel has a small C driver here (``<kernel>_driver.c``) that reads its inputs from
+stdin and writes its outputs to stdout as typed arrays (``blob.h``). The driver and the
+kernel's source are linked statically with the cross compiler, using the flags
+``ops/cpu/build.compile_flags`` gives an aarch64 CPU of the chosen features, and run with
+``qemu-aarch64 -cpu CPU``. Why C drivers and not a Python under emulation: Debian's arm64
+Python and numpy would need multiarch packages beside the host's, and a static binary needs
+nothing but the cross toolchain and qemu.
+
+CPUS: ``neon`` (a Cortex-A72: NEON only), ``sve256`` and ``sve512`` (qemu's ``max`` CPU with
+SVE vectors of 2 and 4 quadwords; it also has the dot-product, int8-matrix and bf16
+extensions).
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from moeserve.ops.cpu import build
+
+HERE = Path(__file__).parent
+KERNELS = Path(build.__file__).parent
+CROSS_CC = shutil.which("aarch64-linux-gnu-gcc")
+QEMU = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
+MISSING = (
+    None
+    if CROSS_CC and QEMU
+    else "needs gcc-aarch64-linux-gnu and qemu-user-static (apt-get install, as root)"
+)
+# qemu -cpu, and the /proc/cpuinfo features such a CPU reports (what build.arm_march reads)
+CPUS = {
+    "neon": ("cortex-a72", "fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid"),
+    "sve256": ("max,sve-max-vq=2", "fp asimd asimddp i8mm bf16 sve"),
+    "sve512": ("max,sve-max-vq=4", "fp asimd asimddp i8mm bf16 sve"),
+}
+_TYPES = {np.dtype(np.float32): 0, np.dtype(np.int64): 1}
+_DTYPES = {code: dtype for dtype, code in _TYPES.items()}
+
+
+def build_driver(kernel: str, cpu: str, out_dir: Path) -> Path:
+    """The static aarch64 binary of ``<kernel>_driver.c`` with ``ops/cpu/<kernel>.c``,
+    compiled for ``cpu``'s features."""
+    flags = build.compile_flags("aarch64", frozenset(CPUS[cpu][1].split()))
+    assert flags is not None
+    flags = tuple(f for f in flags if f not in ("-shared", "-fPIC"))
+    out = out_dir / f"{kernel}-{cpu}"
+    cmd = [CROSS_CC, *flags, "-static", f"-I{HERE}", str(HERE / f"{kernel}_driver.c")]
+    cmd += [str(KERNELS / f"{kernel}.c"), "-o", str(out), "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}:\n{done.stderr}")
+    return out
+
+
+def run(binary: Path, cpu: str, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """Run ``binary`` under qemu as ``cpu`` with ``arrays`` (float32 or int64) on stdin;
+    return the arrays it wrote."""
+    blob = b"".join(
+        struct.pack("<iq", _TYPES[a.dtype], a.size) + np.ascontiguousarray(a).tobytes()
+        for a in arrays
+    )
+    done = subprocess.run(
+        [QEMU, "-cpu", CPUS[cpu][0], str(binary)], input=blob, capture_output=True, timeout=120
+    )
+    if done.returncode:
+        raise RuntimeError(f"{binary.name} under qemu: {done.stderr.decode()}")
+    out, view, at = [], memoryview(done.stdout), 0
+    while at < len(view):
+        code, n = struct.unpack_from("<iq", view, at)
+        dtype = _DTYPES[code]
+        at += 12
+        out.append(np.frombuffer(view[at : at + n * dtype.itemsize], dtype=dtype).copy())
+        at += n * dtype.itemsize
+    return out
