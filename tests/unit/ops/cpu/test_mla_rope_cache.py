@@ -14,17 +14,32 @@ from moeserve.ops.cpu.rope import apply_rope
 pytestmark = pytest.mark.skipif(rope._library() is None, reason="no C kernels here")
 
 
-@pytest.mark.parametrize("interleave", [False, True])
-@pytest.mark.parametrize("T,H,N,R,C,Q", [(1, 16, 64, 32, 256, 384), (7, 3, 8, 6, 20, 0)])
-def test_kernel_matches_reference(interleave, T, H, N, R, C, Q):
+CASES = [(1, 16, 64, 32, 256, 384), (7, 3, 8, 6, 20, 0)]  # T, H, N, R, C, Q
+
+
+def make_case(T: int, H: int, N: int, R: int, C: int, Q: int) -> dict[str, torch.Tensor]:
+    """Inputs of one call: q heads at offset 5 of rows ``base`` (a row stride beyond the
+    heads), kv at offset Q of rows ``qkv_a``, a 40-slot cache, 64 table positions (also
+    test_arm_rope.py's)."""
     g = torch.Generator().manual_seed(T * 10 + H)
-    base = torch.randn(T, H * (N + R) + 5, generator=g)
-    qkv_a = torch.randn(T, Q + C + R, generator=g)
-    cache = torch.randn(40, C + R, generator=g)
-    slots = torch.randperm(40, generator=g)[:T]
-    positions = torch.randint(0, 64, (T,), generator=g)
-    cos, sin = torch.randn(64, R // 2, generator=g), torch.randn(64, R // 2, generator=g)
-    norm_w = torch.randn(C, generator=g)
+    case = {
+        "base": torch.randn(T, H * (N + R) + 5, generator=g),
+        "qkv_a": torch.randn(T, Q + C + R, generator=g),
+        "cache": torch.randn(40, C + R, generator=g),
+        "slots": torch.randperm(40, generator=g)[:T],
+        "positions": torch.randint(0, 64, (T,), generator=g),
+    }
+    case["cos"], case["sin"] = (torch.randn(64, R // 2, generator=g) for _ in range(2))
+    case["norm_w"] = torch.randn(C, generator=g)
+    return case
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("T,H,N,R,C,Q", CASES)
+def test_kernel_matches_reference(interleave, T, H, N, R, C, Q):
+    case = make_case(T, H, N, R, C, Q)
+    base, qkv_a, cache, slots = case["base"], case["qkv_a"], case["cache"], case["slots"]
+    positions, cos, sin, norm_w = case["positions"], case["cos"], case["sin"], case["norm_w"]
 
     def run(fn):
         b, c = base.clone(), cache.clone()
