@@ -118,6 +118,7 @@ class BootstrapClients:
         self._socks: dict[Peer, zmq.Socket] = {}
         self._monitors: dict[Peer, zmq.Socket] = {}
         self._connected: set[Peer] = set()
+        self._down: set[Peer] = set()  # dropped, not connected again since
 
     def _socket(self, peer: Peer) -> zmq.Socket:
         sock = self._socks.get(peer)
@@ -165,10 +166,18 @@ class BootstrapClients:
                     break
                 if event["event"] == zmq.EVENT_CONNECTED:
                     self._connected.add(peer)
+                    self._down.discard(peer)
                 elif event["event"] == zmq.EVENT_DISCONNECTED and peer in self._connected:
                     self._connected.discard(peer)
+                    self._down.add(peer)
                     gone.append(peer)
         return gone
+
+    def is_down(self, peer: Peer) -> bool:
+        """``peer`` dropped (as :meth:`disconnected` reported) and has not connected again:
+        a message to it now only waits in the queue (say, a prefill instance that switched
+        to the decode role and closed its bootstrap port)."""
+        return peer in self._down
 
     def sockets(self) -> list[zmq.Socket]:
         return [*self._socks.values(), *self._monitors.values()]

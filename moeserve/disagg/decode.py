@@ -111,6 +111,10 @@ class DecodeControl(Control):
         req = self.requests.pop(parked["id"], None)
         if req is None:
             return
+        if self.clients.is_down(req.peer):  # it cannot have seen this room: no late write
+            reason = f"the prefill instance at {req.peer[0]}:{req.peer[1]} is not reachable"
+            self._fail(_Pending(parked["id"], req.peer, now, now, 0, 0), reason, now, late=False)
+            return
         targets = [r.target for r in self.replicas[replica]]
         want = {
             "op": b.WANT,

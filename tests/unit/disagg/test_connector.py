@@ -367,6 +367,16 @@ def test_a_prefill_instance_that_goes_away_fails_its_rooms(pair):
     assert time.monotonic() - t0 < 1
     assert pair.D.config.disaggregation_transfer_timeout_s > 10
     assert_failed(got_d["gone"], f"the prefill instance at {HOST}:{port_of(gone)} disconnected")
+    # a request paired with it after the drop (the router had not noticed yet): refused at
+    # once instead of waiting out the transfer timeout
+    again = KVTransferParams(HOST, kv.port, next(_rooms))
+    pair.D.add_tokenized("late", [5, 6, 7, 8], SamplingParams(**GREEDY, kv_transfer=again))
+    t0 = time.monotonic()
+    [got_d] = drive([pair.D], 5, until=lambda: not pair.D.scheduler.has_unfinished())
+    assert time.monotonic() - t0 < 1
+    assert_failed(got_d["late"], f"the prefill instance at {HOST}:{port_of(gone)} is not reachable")
+    # its blocks free at once ("gone"'s wait out the late-write grace)
+    assert [q.request_id for q in pair.D.scheduler.quarantined.values()] == ["gone"]
     drive([pair.D], 5)
     assert_idle(pair.D)
 
