@@ -82,8 +82,7 @@ class Shape:
 BENCH = Shape.of(BENCH_CONFIG)
 LAYOUTS = ((4, 1), (8, 2))  # (EP ranks, nodes)
 REDUNDANT = (0, 4, 8)
-ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT / "moeserve" / "data" / "demo_corpus.txt"
+CORPUS = Path(__file__).resolve().parents[1] / "moeserve" / "data" / "demo_corpus.txt"
 
 
 class Routing:
@@ -193,11 +192,9 @@ def prompt_set(n: int) -> list[str]:
 def demo_prompts(n: int, words: int = 40) -> list[str]:
     """The first ``words`` words of ``n`` held-out paragraphs of the demo's training text
     (``scripts/train_demo.py``'s split): text in the model's domain it never trained on."""
-    from importlib.util import module_from_spec, spec_from_file_location
+    from demo_model import trainer
 
-    spec = spec_from_file_location("train_demo", ROOT / "scripts" / "train_demo.py")
-    td = module_from_spec(spec)
-    spec.loader.exec_module(td)
+    td = trainer()
     paragraphs, _ = td.load_text()
     out = [
         " ".join(p.split()[:words])

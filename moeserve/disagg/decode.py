@@ -113,7 +113,7 @@ class DecodeControl(Control):
             return
         if self.clients.is_down(req.peer):  # it cannot have seen this room: no late write
             reason = f"the prefill instance at {req.peer[0]}:{req.peer[1]} is not reachable"
-            self._fail(_Pending(parked["id"], req.peer, now, now, 0, 0), reason, now, late=False)
+            self._fail(parked["id"], reason, now, late=False)
             return
         targets = [r.target for r in self.replicas[replica]]
         want = {
@@ -168,7 +168,9 @@ class DecodeControl(Control):
             sources = msg.get("sources")
             problem = None if sources is None else self._check_sources(sources)
             if problem:
-                self._fail(p, f"the prefill instance sent packed KV heads {problem}", now, False)
+                self._fail(
+                    p.request_id, f"the prefill instance sent packed KV heads {problem}", now, False
+                )
                 return
             self.stats.observe(now - p.asked, p.num_bytes, p.num_tokens)
             if sources is not None:  # its heads came packed: unpacked before the step
@@ -176,9 +178,9 @@ class DecodeControl(Control):
             self._cmd("arrived", p.request_id)
         elif op == b.FAILED:
             reason = str(msg.get("reason", "the prefill instance failed the transfer"))
-            self._fail(p, reason, now, late=bool(msg.get("late_writes")))
+            self._fail(p.request_id, reason, now, late=bool(msg.get("late_writes")))
         else:  # CANCELLED, unasked: it dropped the request before writing any of it
-            self._fail(p, "the prefill instance dropped the request", now, late=False)
+            self._fail(p.request_id, "the prefill instance dropped the request", now, late=False)
 
     def _check_sources(self, sources) -> str | None:
         """Why the head ranges of a packed ``done`` cannot be unpacked here (None: they can)."""
@@ -195,20 +197,20 @@ class DecodeControl(Control):
         for room, p in list(self.pending.items()):
             if p.peer == peer:
                 del self.pending[room]
-                self._fail(p, reason, now, late=True, grace=LATE_WRITE_GRACE_S)
+                self._fail(p.request_id, reason, now, late=True, grace=LATE_WRITE_GRACE_S)
         for room, c in list(self.cancelling.items()):
             if c.peer == peer:
                 del self.cancelling[room]
                 self.late.append((c.request_id, now + LATE_WRITE_GRACE_S))
 
     def _fail(
-        self, p: _Pending, reason: str, now: float, late: bool, grace: float | None = None
+        self, request_id: str, reason: str, now: float, late: bool, grace: float | None = None
     ) -> None:
         self.stats.failures += 1
-        logger.warning("decode request %s: %s", p.request_id, reason)
-        self._cmd("release", [p.request_id, "abort", reason, late])
+        logger.warning("decode request %s: %s", request_id, reason)
+        self._cmd("release", [request_id, "abort", reason, late])
         if late:
-            self.late.append((p.request_id, now + (self.timeout_s if grace is None else grace)))
+            self.late.append((request_id, now + (self.timeout_s if grace is None else grace)))
 
     def _expire(self, now: float) -> None:
         for room, p in list(self.pending.items()):
@@ -218,7 +220,7 @@ class DecodeControl(Control):
                     f"no KV from the prefill instance at {p.peer[0]}:{p.peer[1]} within "
                     f"{self.timeout_s:g}s"
                 )
-                self._fail(p, reason, now, late=True)
+                self._fail(p.request_id, reason, now, late=True)
         for room, c in list(self.cancelling.items()):
             if now > c.deadline:
                 del self.cancelling[room]

@@ -32,6 +32,7 @@ from moeserve.platform import cpu_flags, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
+ARM_MACHINES = ("aarch64", "arm64")  # platform.machine() on Linux and on macOS
 # sources in portable C (no intrinsics), which build for aarch64 as they are
 PORTABLE = frozenset({"bitmask.c", "moe_sort.c", "rope.c"})
 # aarch64 Features -> GCC -march extension, in the order GCC expects them
@@ -53,7 +54,7 @@ def compile_flags(machine: str, features: frozenset[str]) -> tuple[str, ...] | N
         if not {"avx2", "fma"} <= features:
             return None
         return ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-    if machine in ("aarch64", "arm64"):
+    if machine in ARM_MACHINES:
         if "asimd" not in features:
             return None
         return ("-O3", arm_march(features), "-fopenmp", "-shared", "-fPIC")
@@ -86,7 +87,7 @@ def load(source: Path) -> ctypes.CDLL | None:
     flags = compile_flags(machine, cpu_flags())
     if flags is None:
         return None
-    if machine in ("aarch64", "arm64") and source.name not in PORTABLE:
+    if machine in ARM_MACHINES and source.name not in PORTABLE:
         logger.debug("%s has no aarch64 body yet: the torch reference runs", source.name)
         return None
     # the headers beside the source are part of it (common.h)
