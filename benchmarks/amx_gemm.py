@@ -1,5 +1,5 @@
-"""The AMX kernels (``ops/cpu/bf16_amx.c``: bf16, ``ops/cpu/int8_amx.c``: w8a8 int8) against the
-other ways to run the same product.
+"""The AMX kernels (``ops/cpu/bf16_amx.c``: bf16, ``ops/cpu/int8_amx.c``: w8a8 int8,
+``ops/cpu/int4_amx.c``: w4a8 int4) against the other ways to run the same product.
 
 Projection ``x [M, K] @ w.T`` with ``w [N, K]`` at token rows M from decode to prefill:
 
@@ -7,14 +7,18 @@ Projection ``x [M, K] @ w.T`` with ``w [N, K]`` at token rows M from decode to p
     amx bf16-x  the bf16 kernel with bf16 rows (--dtype bfloat16)
     onednn      F.linear in bf16 (oneDNN's AMX GEMM, which packs the weight per call)
     amx w8a8    the int8 kernel: int8 weights, rows quantized per token (w8a8_int8)
+    w4a8        w4a8_int8's call (ops/cpu/int4_amx.py): int4 weights (groups of 128), rows
+                quantized per token; from 16 rows unpacked to int8 tiles (int4_amx.c),
+                fewer on int4's integer dots (VNNI)
     int8        the weight-only int8 kernel, fp32 rows (--quantization int8, int8.c)
+    int4        the weight-only int4 kernel, fp32 rows (--quantization int4, int4.c)
     fp32        ops/linear.linear on the fp32 weight (moeserve's fp32 kernel or MKL)
 
 and the routed-expert call of one MoE layer (benchmark model shapes, 64 experts, top 6) at
 1 to 2048 tokens, the same formats' calls against the fp32 call on fp32 weights. The
 variants of each row run interleaved, median of ``--rounds`` (the host is noisy); prints
-GFLOP/s and the weight stream in GB/s, writes JSON. Without AMX-INT8 the w8a8 variants are
-left out.
+GFLOP/s and the weight stream in GB/s, writes JSON. Without AMX-INT8 the w8a8 and w4a8
+variants are left out.
 
     python benchmarks/amx_gemm.py [--rounds 5] [--threads 2]
 """
@@ -30,21 +34,29 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import bf16_amx, int8_amx
+from moeserve.ops.cpu import bf16_amx, int4_amx, int8_amx
 from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu import int4 as int4_kernels
 from moeserve.ops.cpu import int8 as int8_kernels
 from moeserve.ops.linear import linear
+from moeserve.quant.int4 import Int4Tensor, quantize_groups
 from moeserve.quant.int8 import Int8Tensor, quantize_rows
 
-PROJECTIONS = ("amx f32-x", "amx bf16-x", "onednn", "amx w8a8", "int8", "fp32")
-MOE = ("amx bf16", "amx w8a8", "int8", "fp32")
+PROJECTIONS = ("amx f32-x", "amx bf16-x", "onednn", "amx w8a8", "w4a8", "int8", "int4", "fp32")
+MOE = ("amx bf16", "amx w8a8", "w4a8", "int8", "int4", "fp32")
+INT8_TILES = ("amx w8a8", "w4a8")  # left out without AMX-INT8
+
+# bytes per weight element (int4: codes, and an fp32 scale and a zero byte per 128); else bf16's
+INT4_BYTES = 0.5 + 5 / 128
+WEIGHT_BYTES = {"fp32": 4, "int8": 1, "amx w8a8": 1, "int4": INT4_BYTES, "w4a8": INT4_BYTES}
 
 
-WEIGHT_BYTES = {"fp32": 4, "int8": 1, "amx w8a8": 1}  # bytes per weight element; else bf16's 2
-
-
-def weight_bytes(variant: str) -> int:
+def weight_bytes(variant: str) -> float:
     return WEIGHT_BYTES.get(variant, 2)
+
+
+def int4_weight(w: torch.Tensor) -> Int4Tensor:
+    return Int4Tensor(*quantize_groups(w, 128))
 
 
 def timed(fn, reps: int) -> float:
@@ -69,6 +81,7 @@ def projections(args) -> list[dict]:
     w32 = torch.randn(N, K)
     w16 = w32.bfloat16()
     w8 = Int8Tensor(*quantize_rows(w32))
+    w4 = int4_weight(w32)
     rows = []
     for M in args.rows:
         x32 = torch.randn(M, K)
@@ -79,16 +92,18 @@ def projections(args) -> list[dict]:
             "amx bf16-x": lambda x16=x16: bf16_amx.gemm_nt(x16, w16),
             "onednn": lambda x16=x16: F.linear(x16, w16),
             "amx w8a8": lambda x32=x32, out32=out32: int8_amx.gemm_nt(x32, w8, out=out32),
+            "w4a8": lambda x32=x32, out32=out32: int4_amx.gemm_nt(x32, w4, out=out32),
             "int8": lambda x32=x32, out32=out32: int8_kernels.gemm_nt(x32, w8, out=out32),
+            "int4": lambda x32=x32, out32=out32: int4_kernels.gemm_nt(x32, w4, out=out32),
             "fp32": lambda x32=x32: linear(x32, w32),
         }
-        if not int8_amx.available():
-            del variants["amx w8a8"]
+        for name in INT8_TILES if not int8_amx.available() else ():
+            del variants[name]
         reps = max(2, min(200, int(2e9 / (2 * M * N * K + 4e7))))
         t = median_times(variants, args.rounds, reps)
         flops = 2 * M * N * K
         for name, s in t.items():
-            wbytes = N * K * weight_bytes(name)
+            wbytes = int(N * K * weight_bytes(name))
             rows.append(
                 dict(kind="projection", M=M, N=N, K=K, variant=name, seconds=s,
                      gflops=flops / s / 1e9, weight_gbs=wbytes / s / 1e9)
@@ -102,6 +117,7 @@ def moe_calls(args) -> list[dict]:
     w2 = torch.randn(E, D, F_) / F_**0.5
     w13_16, w2_16 = w13.bfloat16(), w2.bfloat16()
     w13_8, w2_8 = Int8Tensor(*quantize_rows(w13)), Int8Tensor(*quantize_rows(w2))
+    w13_4, w2_4 = int4_weight(w13), int4_weight(w2)
     g = torch.Generator().manual_seed(0)
     rows = []
     for T in args.tokens:
@@ -115,19 +131,22 @@ def moe_calls(args) -> list[dict]:
         args16 = (x, experts, counts, w13_16, w2_16, w)
         args32 = (x, experts, counts, w13, w2, w)
         args8 = (x, experts, counts, w13_8, w2_8, w)
+        args4 = (x, experts, counts, w13_4, w2_4, w)
         variants = {
             "amx bf16": lambda a=args16: bf16_amx.moe_experts(*a),
             "amx w8a8": lambda a=args8: int8_amx.moe_experts(*a),
+            "w4a8": lambda a=args4: int4_amx.moe_experts(*a),
             "int8": lambda a=args8: int8_kernels.moe_experts(*a),
+            "int4": lambda a=args4: int4_kernels.moe_experts(*a),
             "fp32": lambda a=args32: fp32_kernels.moe_experts(*a),
         }
-        if not int8_amx.available():
-            del variants["amx w8a8"]
+        for name in INT8_TILES if not int8_amx.available() else ():
+            del variants[name]
         reps = 20 if T <= 64 else 3
         t = median_times(variants, args.rounds, reps)
         flops = 2 * R * 3 * D * F_
         for name, s in t.items():
-            wbytes = len(experts) * 3 * D * F_ * weight_bytes(name)
+            wbytes = int(len(experts) * 3 * D * F_ * weight_bytes(name))
             rows.append(
                 dict(kind="moe", tokens=T, variant=name, seconds=s, gflops=flops / s / 1e9,
                      weight_gbs=wbytes / s / 1e9)

@@ -80,14 +80,21 @@ def write_bench_tokenizer(out: Path, vocab_size: int = BENCH_CONFIG["vocab_size"
     tok = json.loads(TOKENIZER_PATH.read_text(encoding="utf-8"))
     vocab, merges = tok["model"]["vocab"], tok["model"]["merges"]
     merged = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i >= 260]
-    # word-internal merges only (the right part never starts a word), in a fixed order
-    for right in [t for t in merged if not t.startswith("\u0120")]:
-        for left in merged:
-            if len(vocab) == vocab_size:
-                break
-            if left + right not in vocab:
-                vocab[left + right] = len(vocab)
-                merges.append([left, right])
+    # word-internal merges only (the right part never starts a word), in a fixed order; the
+    # demo tokenizer is small (Python's documentation), so the merges made in one pass are
+    # the left parts of the next until the vocabulary is full
+    rights, lefts = [t for t in merged if not t.startswith("\u0120")], merged
+    while lefts and len(vocab) < vocab_size:
+        made = []
+        for right in rights:
+            for left in lefts:
+                if len(vocab) == vocab_size:
+                    break
+                if left + right not in vocab:
+                    vocab[left + right] = len(vocab)
+                    merges.append([left, right])
+                    made.append(left + right)
+        lefts = made
     if len(vocab) != vocab_size:
         raise RuntimeError(f"bench tokenizer reached {len(vocab)} tokens, want {vocab_size}")
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")

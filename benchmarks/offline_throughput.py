@@ -1,13 +1,14 @@
 """Offline throughput: moeserve against transformers on the benchmark model, in one run.
 
 For each weight format (fp32; int8 weight-only quantization; int4, 4-bit weights with a scale
-per group of columns (int4-gN: groups of N); w8a8_int8, the same int8 weights with each
-GEMM's rows quantized to int8 per token, run on AMX's int8 products; bf16 weights with fp32
-activations, ``--quantization bf16``, run on AMX): decode tokens/s at
+per group of columns (int4-gN: groups of N); w8a8_int8 and w4a8_int8, the int8 and int4
+weights with each GEMM's rows quantized to int8 per token, run on AMX's int8 products; bf16
+weights with fp32 activations, ``--quantization bf16``, run on AMX): decode tokens/s at
 batch 1, 8, 32 and 64 and prefill tokens/s of one 512- and one 2048-token prompt;
 transformers' ``generate`` and forward on the same checkpoint in fp32; the roofline of each
 case (decode: bytes a step reads / the read bandwidth measured here; prefill: FLOPs / the
-GEMM peak measured here, fp32 for fp32, int8 and int4, int8 for w8a8_int8, bf16 for bf16) and
+GEMM peak measured here, fp32 for fp32, int8 and int4, int8 for w8a8_int8 and w4a8_int8, bf16
+for bf16) and
 the fraction of it
 reached. Prints a table, writes JSON and a plot of
 tokens/s against batch size with the rooflines drawn in.
@@ -102,12 +103,13 @@ def time_hf_prefill(model, n: int, vocab: int, repeats: int = 3) -> float:
 
 
 def format_kwargs(fmt: str) -> dict:
-    """``LLM`` keyword arguments of a ``--formats`` entry: fp32, int8, w8a8_int8, bf16, int4
-    (groups of 128) or int4-gN (groups of N)."""
+    """``LLM`` keyword arguments of a ``--formats`` entry: fp32, int8, w8a8_int8, bf16, int4 or
+    w4a8_int8 (groups of 128), int4-gN or w4a8_int8-gN (groups of N)."""
     if fmt == "fp32":
         return {}
-    if fmt.startswith("int4-g"):
-        return {"quantization": "int4", "int4_group_size": int(fmt.removeprefix("int4-g"))}
+    name, _, group = fmt.partition("-g")
+    if group:
+        return {"quantization": name, "int4_group_size": int(group)}
     return {"quantization": fmt}
 
 
@@ -155,8 +157,8 @@ def run_moeserve(
 
 def peak_dtype_of(args, fmt: str) -> torch.dtype:
     """The GEMM peak a format's prefill is held to: bf16 for bf16 weights or activations,
-    int8 (AMX's int8 products) for w8a8_int8."""
-    if fmt == "w8a8_int8":
+    int8 (AMX's int8 products) for w8a8_int8 and w4a8_int8."""
+    if fmt.startswith(("w8a8_int8", "w4a8_int8")):
         return torch.int8
     return torch.bfloat16 if fmt == "bf16" or args.dtype == "bfloat16" else torch.float32
 
@@ -203,6 +205,7 @@ def plot(path: Path, args, results: dict, roofs: dict) -> None:
         "int8": "tab:orange",
         "int4": "tab:purple",
         "w8a8_int8": "tab:red",
+        "w4a8_int8": "tab:pink",
         "bf16": "tab:green",
         "transformers": "tab:gray",
     }
@@ -342,8 +345,9 @@ def main() -> None:
     ap.add_argument(
         "--formats",
         default=None,
-        help="weight formats: fp32, int8, w8a8_int8, bf16, int4 (groups of 128), int4-g32, "
-        "int4-g64 (default: fp32, int8 and int4, and on a CPU with AMX w8a8_int8 and bf16: "
+        help="weight formats: fp32, int8, w8a8_int8, bf16, int4 and w4a8_int8 (groups of 128), "
+        "int4-g32, int4-g64, w4a8_int8-g32, w4a8_int8-g64 (default: fp32, int8 and int4, and on "
+        "a CPU with AMX w8a8_int8, w4a8_int8 and bf16: "
         "without AMX bf16 weights are widened per call and w8a8_int8 rounds rows in torch)",
     )
     ap.add_argument(
@@ -400,7 +404,7 @@ def main() -> None:
 
         cpu = args.device == "cpu"
         args.formats = "fp32,int8,int4"
-        args.formats += ",w8a8_int8" if cpu and int8_amx.available() else ""
+        args.formats += ",w8a8_int8,w4a8_int8" if cpu and int8_amx.available() else ""
         args.formats += ",bf16" if cpu and bf16_amx.available() else ""
     formats = args.formats.split(",")
     torch.set_num_threads(args.threads)

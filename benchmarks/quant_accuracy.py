@@ -1,5 +1,5 @@
-"""Accuracy of the weight formats (int8, w8a8_int8, int4, bf16) against fp32 on the benchmark
-model.
+"""Accuracy of the weight formats (int8, w8a8_int8, int4, w4a8_int8, bf16) against fp32 on the
+benchmark model.
 
 Engines on the same checkpoint (``benchmarks/bench_model.py``) see the same random prompts:
 
@@ -13,6 +13,9 @@ Engines on the same checkpoint (``benchmarks/bench_model.py``) see the same rand
     int4-gN      ``quantization="int4"`` with groups of N columns (32, 64, 128; symmetric, and
                  ``int4-g128a`` asymmetric); ``int4 oracle`` the fp32 engine on the weights
                  int4-g128 holds, dequantized (isolates its kernels as oracle does int8's)
+    w4a8-gN      ``quantization="w4a8_int8"``: int4-gN's weights, each GEMM's rows rounded to
+                 int8 per token; against int4 oracle (N 128) what the activations' rounding
+                 adds
     bf16w        ``quantization="bf16"``: bf16 weights, fp32 activations (on AMX the GEMMs
                  round their input rows to bf16)
     bf16 oracle  the fp32 engine with those weights rounded to bf16 in place: bf16w against it
@@ -227,6 +230,12 @@ def main() -> None:
             LLM(dtype="float32", **kw, **engine), prompts, args.new_tokens
         )
         gc.collect()
+    for G in groups:
+        kw = dict(quantization="w4a8_int8", int4_group_size=G)
+        runs[f"w4a8-g{G}"] = evaluate(
+            LLM(dtype="float32", **kw, **engine), prompts, args.new_tokens
+        )
+        gc.collect()
     if 128 in groups:
         kw = dict(quantization="int4", int4_group_size=128, int4_symmetric=False)
         runs["int4-g128a"] = evaluate(
@@ -255,10 +264,11 @@ def main() -> None:
         "w8a8 vs fp32": compare(runs["fp32"], runs["w8a8"]),
         "w8a8 vs oracle": compare(runs["oracle"], runs["w8a8"]),
     }
-    for name in [n for n in runs if n.startswith("int4-")]:
+    for name in [n for n in runs if n.startswith(("int4-", "w4a8-"))]:
         cases[f"{name} vs fp32"] = compare(runs["fp32"], runs[name])
     if "int4 oracle" in runs:
         cases["int4-g128 vs int4 oracle"] = compare(runs["int4 oracle"], runs["int4-g128"])
+        cases["w4a8-g128 vs int4 oracle"] = compare(runs["int4 oracle"], runs["w4a8-g128"])
     if "bf16" in runs:
         cases["bf16w vs fp32"] = compare(runs["fp32"], runs["bf16w"])
         cases["bf16w vs bf16 oracle"] = compare(runs["bf16 oracle"], runs["bf16w"])

@@ -27,11 +27,14 @@ FORMATS = {
         scale=f.scale_bytes_per_row,
         kv_b=f.absorbed_bytes,
     )
-    for name in ("fp32", "int8", "w8a8_int8", "int4", "bf16")
+    for name in ("fp32", "int8", "w8a8_int8", "int4", "w4a8_int8", "bf16")
 }
-for _g in (32, 64, 128):  # int4 by group size: offline_throughput's int4-gN
-    _f = formats.configured("int4", _g)
-    FORMATS[f"int4-g{_g}"] = dict(linear=_f.bytes_per_weight, scale=0.0, kv_b=_f.absorbed_bytes)
+for _name in formats.INT4_FORMATS:  # by group size: offline_throughput's int4-gN, w4a8_int8-gN
+    for _g in (32, 64, 128):
+        _f = formats.configured(_name, _g)
+        FORMATS[f"{_name}-g{_g}"] = dict(
+            linear=_f.bytes_per_weight, scale=0.0, kv_b=_f.absorbed_bytes
+        )
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "bf16, fp32 or FP8 checkpoint; w8a8_int8: the same weights, and each GEMM rounds its "
         "input rows to int8 per token (AMX's int8 tiles where the CPU has them); int4: 4-bit "
         "weights with a scale per group of columns (--int4-group-size), about half of int8's "
-        "bytes; bf16: weights held in bf16 (the GEMMs run on AMX where the CPU has it); the "
+        "bytes; w4a8_int8: int4's weights, each GEMM rounding its rows to int8 (AMX's int8 "
+        "tiles); bf16: weights held in bf16 (the GEMMs run on AMX where the CPU has it); the "
         "tensors between ops stay fp32 under all of them (default: none)",
     )
     g.add_argument(
@@ -43,12 +44,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         type=int,
         choices=(32, 64, 128),
         default=None,
-        help="int4: columns sharing one scale (default 128; smaller: closer, more bytes)",
+        help="int4, w4a8_int8: columns sharing one scale (default 128; smaller: closer, more "
+        "bytes)",
     )
     g.add_argument(
         "--int4-asymmetric",
         action="store_true",
-        help="int4: a zero point per group too (min/max instead of max |w|), as AWQ and GPTQ",
+        help="int4, w4a8_int8: a zero point per group too (min/max instead of max |w|), as AWQ "
+        "and GPTQ",
     )
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP layers")
     g.add_argument("--threads", type=int, default=None, help="intra-op CPU threads per rank")

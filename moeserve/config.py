@@ -122,10 +122,10 @@ class EngineConfig:
     speculative_num_tokens: int = 0
     # a file of hot token ids the drafts are proposed from (spec/hot_vocab.py); None: all
     speculative_token_map: str | None = None
-    # None | "none" | "int8" | "w8a8_int8" | "int4" | "bf16": applied at load
+    # None | "none" | "int8" | "w8a8_int8" | "int4" | "w4a8_int8" | "bf16": applied at load
     quantization: str | None = None
-    int4_group_size: int | None = None  # int4: columns per scale (32, 64, 128; default 128)
-    int4_symmetric: bool = True  # int4: zero point 8 (False: a zero point per group)
+    int4_group_size: int | None = None  # int4, w4a8_int8: columns per scale (32/64/128; 128)
+    int4_symmetric: bool = True  # int4, w4a8_int8: zero point 8 (False: one per group)
     num_threads: int | None = None
     seed: int = 0
     progress: bool = True

@@ -42,6 +42,18 @@ DEEPSEEK_KW = dict(
     eos_token_id=1,
 )
 
+# DEEPSEEK_KW's overrides that put every GEMM on the AMX tiles (K % 64, N % 16) and the
+# absorbed MLA products on the bf16 ones: the w8a8_int8 and w4a8_int8 tests' model
+DEEPSEEK_TILES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+)
+
 QWEN_KW = dict(
     vocab_size=VOCAB,
     hidden_size=64,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 
 def copy_demo_tokenizer(dst_dir: str | Path) -> Path:
     """Put the demo tokenizer (vocab 512) into a checkpoint directory a test made.
@@ -62,3 +64,20 @@ def sorted_reference(x_RD, weight_R, slot_counts, w13_SFD, w2_SDF):
 
     slots_R = torch.repeat_interleave(torch.arange(len(slot_counts)), torch.tensor(slot_counts))
     return moe_reference(x_RD, w13_SFD, w2_SDF, weight_R[:, None], slots_R[:, None])
+
+
+def fill_routing(buffers, E: int, generator: torch.Generator) -> tuple[list, list, int]:
+    """A random decode step's rows sorted by expert in MoEBuffers (``ops/cpu/bound.py``):
+    ``buffers.R`` choices among ``E`` experts, the sorted groups in ``meta``, random rows and
+    routing weights; returns ``(experts, counts, groups)`` (experts with no rows left out)."""
+    R, D = buffers.x_sorted.shape
+    ids = torch.randint(0, E, (R,), generator=generator).sort().values
+    counts_E = torch.bincount(ids, minlength=E).tolist()
+    experts = [e for e in range(E) if counts_E[e]]
+    counts = [counts_E[e] for e in experts]
+    starts = torch.tensor(counts).cumsum(0) - torch.tensor(counts)
+    G = len(experts)
+    buffers.meta[:, :G] = torch.tensor([experts, starts.tolist(), counts])
+    buffers.x_sorted.copy_(torch.randn(R, D, generator=generator))
+    buffers.weight.copy_(torch.rand(R, generator=generator))
+    return experts, counts, G

@@ -73,7 +73,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
         # the weight format applied at load (None: the model dtype) and the dtype computed in
-        # an AWQ / GPTQ checkpoint is served in int4 whatever was asked
+        # an AWQ / GPTQ checkpoint is served in int4 weights (w4a8_int8 if asked, else int4)
         quantization = checkpoint_quantization(
             config.model, config.quantization, config.int4_group_size
         )

@@ -53,14 +53,14 @@ def load_model(
     weight_format: str | WeightFormat | None = None,
 ) -> tuple[MoECausalLM, ModelConfig, LoadReport]:
     """Build this rank's part of the model and read only its tensors (or their slices).
-    With a ``weight_format`` (``ops/formats``: "int8", "w8a8_int8", "int4", "bf16", or a
-    configured format) the weights are converted to it as they are read
+    With a ``weight_format`` (``ops/formats``: "int8", "w8a8_int8", "int4", "w4a8_int8",
+    "bf16", or a configured format) the weights are converted to it as they are read
     (``models/weight_format.py``)."""
     config = ModelConfig.from_dir(model_dir)
     if config.int4 is not None:  # AWQ / GPTQ: int4 as the checkpoint has it
-        checkpoint_quantization(model_dir, weight_format)
+        name = checkpoint_quantization(model_dir, weight_format)
         c = config.int4
-        weight_format = formats.get("int4").configured(c.group_size, c.symmetric, c.act_order)
+        weight_format = formats.get(name).configured(c.group_size, c.symmetric, c.act_order)
     if weight_format is not None:
         fmt = formats.get(weight_format) if isinstance(weight_format, str) else weight_format
         fmt.check_device(torch.device(device))
@@ -109,24 +109,24 @@ def checkpoint_quantization(
     requested: str | WeightFormat | None,
     int4_group_size: int | None = None,
 ) -> str | None:
-    """The weight format a checkpoint must be served in: ``int4`` for an AWQ or GPTQ one
-    (``requested`` must be None or int4, and ``int4_group_size`` None or the checkpoint's),
-    else ``requested``'s name. ValueError naming the conflict."""
+    """The weight format a checkpoint must be served in: for an AWQ or GPTQ one, a format of
+    int4 weights (``requested`` if it is one, int4 when None; ``int4_group_size`` None or the
+    checkpoint's), else ``requested``'s name. ValueError naming the conflict."""
     name = requested.name if isinstance(requested, WeightFormat) else requested
     c = ModelConfig.from_dir(model_dir).int4
     if c is None:
         return name
-    if name not in (None, "int4"):
+    if name not in (None, *formats.INT4_FORMATS):
         raise ValueError(
-            f"{model_dir} is a 4-bit {c.method} checkpoint: serve it with --quantization int4 "
-            f"(or none), not {name}"
+            f"{model_dir} is a 4-bit {c.method} checkpoint: serve it with --quantization "
+            f"{' or '.join(formats.INT4_FORMATS)} (or none), not {name}"
         )
     if int4_group_size not in (None, c.group_size):
         raise ValueError(
             f"{model_dir} is a {c.method} checkpoint with group size {c.group_size}; "
             f"--int4-group-size {int4_group_size} cannot regroup it"
         )
-    return "int4"
+    return name or "int4"
 
 
 def check_layout(config: ModelConfig, dims: ParallelDims, options: MoEOptions) -> None:

@@ -1,7 +1,8 @@
 """Int4 weights under tensor and expert parallelism: quantized at load (each rank quantizes
 its own shard, a row-parallel shard's groups inside its columns) and read from AWQ / GPTQ
 checkpoints (each rank cuts its shard from the packed tensors, between groups). Both match
-one fp32 process on the weights dequantized the same way. A shard that would cut a group, and
+one fp32 process on the weights dequantized the same way; w4a8_int8 (the same weights, rows
+rounded to int8) stays within its rounding of it. A shard that would cut a group, and
 GPTQ's act-order under a column split, are clear errors at load."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
+from tests.helpers import max_logprob_gap
 from tests.int4_checkpoints import write_int4_checkpoint
 from tests.int8_oracle import assert_int4_outputs, write_int4_oracle
 
@@ -48,6 +50,20 @@ def test_int4_layout_matches_its_fp32_oracle(checkpoint, tmp_path, layout):
         checkpoint, quantization="int4", int4_group_size=32, int4_symmetric=False, **LAYOUTS[layout]
     )
     assert_int4_outputs(got, want)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_w4a8_layout_close_to_its_int4_oracle(checkpoint, tmp_path, layout):
+    """w4a8_int8 holds int4's weights, cut as int4's are; each rank rounds the rows it
+    multiplies to int8 (a row-parallel shard of a row its own grid), so against the fp32
+    oracle of the int4 weights only that rounding remains: the one-process bound
+    (tests/unit/ops/formats/test_w4a8_int8.py)."""
+    tp = LAYOUTS[layout].get("tensor_parallel_size", 1)
+    oracle = write_int4_oracle(checkpoint, tmp_path / "oracle", 32, symmetric=False, tp=tp)
+    want = _run(oracle)
+    kw = dict(quantization="w4a8_int8", int4_group_size=32, int4_symmetric=False)
+    got = _run(checkpoint, **kw, **LAYOUTS[layout])
+    assert max_logprob_gap(got, want) < 0.3
 
 
 @pytest.mark.parametrize(

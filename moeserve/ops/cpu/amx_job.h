@@ -94,23 +94,4 @@ static void gemm_job(int64_t K, const AJ_T *w, int64_t ldw, int nr, const AJ_T *
     }
 }
 
-/* The MoE calls' groups (an expert's rows, padded to 16 in the packed rows): first_block[g]
- * is the number of packed 16-row blocks before group g; returns the total. */
-static inline int64_t group_blocks(int64_t G, const int64_t *count, int64_t *first_block) {
-    int64_t blocks = 0;
-    for (int64_t g = 0; g < G; g++) {
-        first_block[g] = blocks;
-        blocks += (count[g] + 15) / 16;
-    }
-    return blocks;
-}
-
-/* Thread t's jobs [*lo, *hi) of the G x J jobs of an MoE call's phase, contiguous shares of
- * equal cost (common.h: balanced_first_job; a job costs its rows plus 16 for its weights) */
-static inline void job_share(int64_t G, const int64_t *count, int64_t J, int t, int nt,
-                             int64_t *lo, int64_t *hi) {
-    *lo = balanced_first_job(G, count, J, 16, t, nt);
-    *hi = balanced_first_job(G, count, J, 16, t + 1, nt);
-}
-
 #endif

@@ -87,12 +87,14 @@ class MoEBuffers:
     """A decode step's rows sorted by expert (``moe_sort.c``), reused by every step with the
     same row count: ``meta [3, R]`` (expert, first row, rows of each group), the source token
     and routing weight of each row, the rows ``x_sorted [R, D]``, a hidden ``h [R, 2F]`` and
-    the weighted expert outputs ``y_sorted [R, D]``; ``num_slots`` expert slots."""
+    the weighted expert outputs ``y_sorted [R, D]``; ``num_slots`` expert slots; ``tokens``
+    the step's token rows, which bound each expert's rows (a kernel may choose by them)."""
 
     R: int
     D: int
     F: int
     num_slots: int
+    tokens: int
     meta: torch.Tensor
     token: torch.Tensor
     weight: torch.Tensor
@@ -101,10 +103,10 @@ class MoEBuffers:
     y_sorted: torch.Tensor
 
     @staticmethod
-    def empty(R: int, D: int, F: int, num_slots: int) -> MoEBuffers:
+    def empty(R: int, D: int, F: int, num_slots: int, tokens: int | None = None) -> MoEBuffers:
         f32 = dict(dtype=torch.float32)
         return MoEBuffers(
-            R, D, F, num_slots,
+            R, D, F, num_slots, R if tokens is None else tokens,
             meta=torch.empty(3, R, dtype=torch.int64),
             token=torch.empty(R, dtype=torch.int64),
             weight=torch.empty(R, **f32),

@@ -121,6 +121,9 @@
 #define ISA_AVX512 1    /* look the codes up */
 #define ISA_VNNI 2      /* AVX-512 VNNI integer dots */
 #define ISA_AVX2_IDOT 3 /* AVX2 integer dots */
+/* or'ed into the integer dots' isa: the token rows (and the MoE hidden) on their int8 grids
+ * first, as w4a8_int8 takes them (ops/cpu/int4_amx.py: its few-row calls) */
+#define ISA_INT8_ROWS 16
 /* Rows of x per pass over the weight (many-row calls), so they stay in cache across its
  * panels: 512 KB of them, at least 64 rows (decode batches in one pass). One thread, AVX-512,
  * 2048 x 4096 weight, 2048 rows: 150 ms in passes of 32 rows, 484 in one. */
@@ -378,17 +381,27 @@ static void rows_q4(int64_t M, int64_t K, const float *x, int64_t ldx, const uin
 /* y[:M, :N] = x @ w^T for int4 rows w: on the integer dots (ISA_AVX2_IDOT; ISA_VNNI with
  * fewer than Q4_IDOT_MAX_ROWS rows), through packed panels (AVX-512, from
  * Q4_GEMM_PACK_MIN_ROWS rows), or in registers (ISA_AVX512, ISA_AVX2). Where the integer dots
- * cannot have their scratch, the fp32 form of the same width runs. */
-void moeserve_int4_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
-                                 const uint8_t *q, int64_t ldq, const float *scale,
-                                 const uint8_t *zero, int64_t group_size, float *y, int64_t ldy,
-                                 int isa) {
+ * cannot have their scratch, the fp32 form of the same width runs. Returns 0; with
+ * ISA_INT8_ROWS, which only the integer dots take, -1 when they cannot run (their scratch,
+ * or a call they do not take: nothing computed). */
+int moeserve_int4_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                                const uint8_t *q, int64_t ldq, const float *scale,
+                                const uint8_t *zero, int64_t group_size, float *y, int64_t ldy,
+                                int isa) {
+    if (isa & ISA_INT8_ROWS) {
+        isa &= ~ISA_INT8_ROWS;
+        if (isa == ISA_VNNI && M < Q4_IDOT_MAX_ROWS)
+            return gemm_idot_vnni(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy, 1);
+        if (isa == ISA_AVX2_IDOT)
+            return gemm_idot_avx2(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy, 1);
+        return -1;
+    }
     if (isa == ISA_VNNI && M < Q4_IDOT_MAX_ROWS &&
-        !gemm_idot_vnni(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy))
-        return;
+        !gemm_idot_vnni(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy, 0))
+        return 0;
     if (isa == ISA_AVX2_IDOT &&
-        !gemm_idot_avx2(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy))
-        return;
+        !gemm_idot_avx2(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy, 0))
+        return 0;
     if (isa == ISA_AVX2_IDOT) isa = ISA_AVX2;
     if (isa && M >= Q4_GEMM_PACK_MIN_ROWS)
         gemm_panels_q4(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy);
@@ -396,6 +409,7 @@ void moeserve_int4_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x
         gemm_avx512(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy);
     else
         gemm_avx2(M, N, K, x, ldx, q, ldq, scale, zero, group_size, y, ldy);
+    return 0;
 }
 
 /* Routed experts for few rows, one call per MoE layer: the int4 twin of
@@ -410,23 +424,34 @@ void moeserve_int4_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x
  * region: the threads share out the weight panels of all experts at once. Any number of rows
  * per expert: on the integer dots with ISA_AVX2_IDOT, and with ISA_VNNI when every expert
  * has fewer than Q4_IDOT_MAX_ROWS rows (moe_idot_*); else with AVX-512 and an expert of
- * Q4_PACK_MIN_ROWS rows or more (prefill), moe_panels_q4 (moe_packed.h). */
-void moeserve_int4_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
+ * Q4_PACK_MIN_ROWS rows or more (prefill), moe_panels_q4 (moe_packed.h). Returns 0; with
+ * ISA_INT8_ROWS as moeserve_int4_gemm_nt_small. */
+int moeserve_int4_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
                              const int64_t *count, int64_t D, int64_t F, const float *x,
                              const uint8_t *q13, const float *s13, const uint8_t *z13,
                              const uint8_t *q2, const float *s2, const uint8_t *z2,
-                             int64_t group_size, const float *route_w, float *h, float *y,
-                             int isa) {
+                            int64_t group_size, const float *route_w, float *h, float *y,
+                            int isa) {
     int64_t most = 0;
     for (int64_t g = 0; g < n_groups; g++) most = count[g] > most ? count[g] : most;
+    if (isa & ISA_INT8_ROWS) {
+        isa &= ~ISA_INT8_ROWS;
+        if (isa == ISA_VNNI && most < Q4_IDOT_MAX_ROWS)
+            return moe_idot_vnni(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2,
+                                 z2, group_size, route_w, h, y, 1);
+        if (isa == ISA_AVX2_IDOT)
+            return moe_idot_avx2(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2,
+                                 z2, group_size, route_w, h, y, 1);
+        return -1;
+    }
     if (isa == ISA_VNNI && most < Q4_IDOT_MAX_ROWS &&
         !moe_idot_vnni(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2, z2,
-                       group_size, route_w, h, y))
-        return;
+                       group_size, route_w, h, y, 0))
+        return 0;
     if (isa == ISA_AVX2_IDOT &&
         !moe_idot_avx2(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2, z2,
-                       group_size, route_w, h, y))
-        return;
+                       group_size, route_w, h, y, 0))
+        return 0;
     if (isa == ISA_AVX2_IDOT) isa = ISA_AVX2;
     if (isa && most >= Q4_PACK_MIN_ROWS)
         moe_panels_q4(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2, z2,
@@ -437,6 +462,7 @@ void moeserve_int4_moe_small(int64_t n_groups, const int64_t *expert, const int6
     else
         moe_avx2(n_groups, expert, start, count, D, F, x, q13, s13, z13, q2, s2, z2, group_size,
                  route_w, h, y);
+    return 0;
 }
 
 /* out[n, :] = the dequantized row n for rows [0, N) (codes ldq bytes apart, scales and zero

@@ -57,6 +57,9 @@ MKL_MIN_ROWS_WIDE: int | None = None
 # (codes looked up in each group's 16 values), and the integer dots on the rows rounded to 16
 # bits with AVX-512 VNNI or AVX2
 AVX2, AVX512, VNNI, AVX2_IDOT = 0, 1, 2, 3
+# or'ed into VNNI or AVX2_IDOT: the rows (and an MoE call's hidden) on their int8 grids first,
+# w4a8_int8's rounding (ops/cpu/int4_amx.py: its few-row calls)
+INT8_ROWS = 16
 XMAX = 32639  # int4_idot.h: the rounded rows' largest magnitude
 IDOT_MAX_ROWS = 256  # int4.c: the integer dots take fewer rows (an expert's, in an MoE call)
 
@@ -150,11 +153,21 @@ def _library() -> ctypes.CDLL | None:
         INT,
     )
     build.declare(lib, "moeserve_int4_dequant", I64, I64, PTR, I64, PTR, PTR, I64, PTR, I64)
+    # 0, or -1 where a call with INT8_ROWS cannot run on the integer dots
+    lib.moeserve_int4_gemm_nt_small.restype = INT
+    lib.moeserve_int4_moe_small.restype = INT
     return lib
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def entry(name: str):
+    """The loaded library's ``moeserve_int4_<name>`` (``gemm_nt_small``, ``moe_small``) for
+    the w4a8 calls that share it (``ops/cpu/int4_amx.py``); the caller checks
+    :func:`available`."""
+    return getattr(_library(), f"moeserve_int4_{name}")
 
 
 @lru_cache(maxsize=1)

@@ -80,9 +80,12 @@ static inline __m128i bytes16(__m256i a, __m256i b) {
 /* Row x (K fp32, K a multiple of 32) rounded into xq (XROW_BYTES(K) bytes, 64-byte aligned),
  * its scale into *c and its group sums (K / G of them, then zeros to XS_LD) into xs. A row
  * with a nan or an inf gets c nan, so its outputs are nan as the reference's are; a zero row
- * gets c 0. AVX2 for both bodies: once per token row, a small share of a call. */
+ * gets c 0. With grid8 (w4a8_int8) the row is first rounded to its int8 grid as
+ * int8_amx.quantize_rows_ref rounds it (xq8 = round(x * (127 / max)), s = max / 127), which
+ * the 16-bit form holds exactly: xi = 257 xq8, c = s / 257. AVX2 for both bodies: once per
+ * token row, a small share of a call. */
 static void idot_round_row(int64_t K, int64_t G, const float *x, int8_t *xq, float *c,
-                           float *xs) {
+                           float *xs, int grid8) {
     for (int64_t g = K / G; g < XS_LD(K / G); g++) xs[g] = 0.0f; /* the padding */
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 m = _mm256_setzero_ps();
@@ -93,10 +96,11 @@ static void idot_round_row(int64_t K, int64_t G, const float *x, int8_t *xq, flo
         const __m256 inf_nan = _mm256_sub_ps(v, v); /* 0 for a finite v */
         bad |= _mm256_movemask_ps(_mm256_cmp_ps(inf_nan, _mm256_setzero_ps(), _CMP_NEQ_UQ));
     }
-    const float amax = hmax256(m);
-    *c = bad ? NAN : amax / (float)XMAX;
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f && !bad ? (float)XMAX / amax : 0.0f);
-    const __m256i hi = _mm256_set1_epi32(XMAX), lo = _mm256_set1_epi32(-XMAX);
+    const float amax = hmax256(m), top = grid8 ? 127.0f : (float)XMAX;
+    *c = bad ? NAN : grid8 ? amax / 127.0f / 257.0f : amax / (float)XMAX;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f && !bad ? top / amax : 0.0f);
+    const __m256i hi = _mm256_set1_epi32((int)top), lo = _mm256_set1_epi32(-(int)top);
+    const __m256i step = _mm256_set1_epi32(grid8 ? 257 : 1);
     __m256i sum = _mm256_setzero_si256(); /* the current group's xi, exact in int32 */
     for (int64_t col = 0; col < XROW_BYTES(K) / XP; col += 16) {
         __m256i xi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* past K: zeros */
@@ -104,6 +108,7 @@ static void idot_round_row(int64_t K, int64_t G, const float *x, int8_t *xq, flo
             for (int j = 0; j < 2; j++) {
                 const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + col + 8 * j), inv);
                 xi[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(v), hi), lo);
+                xi[j] = _mm256_mullo_epi32(xi[j], step);
                 sum = _mm256_add_epi32(sum, xi[j]);
             }
             if ((col + 16) % G == 0) {
@@ -125,10 +130,12 @@ static void idot_round_row(int64_t K, int64_t G, const float *x, int8_t *xq, flo
     }
 }
 
-/* The rounded rows of a call: M rows of K columns with groups of G, one allocation. */
+/* The rounded rows of a call: M rows of K columns with groups of G, one allocation; grid8:
+ * each row on its int8 grid first (idot_round_row). */
 struct idot_rows {
     int8_t *xq;
     float *c, *xs;
+    int grid8;
 };
 
 /* The calling thread's scratch `slot` (0 or 1) of at least `bytes`, kept for its next calls
@@ -149,7 +156,9 @@ static void *idot_scratch(int slot, size_t bytes) {
 }
 
 /* r's rows in the calling thread's scratch `slot`; -1 when it cannot be had */
-static int idot_alloc(int64_t M, int64_t K, int64_t G, int slot, struct idot_rows *t) {
+static int idot_alloc(int64_t M, int64_t K, int64_t G, int slot, int grid8,
+                      struct idot_rows *t) {
+    t->grid8 = grid8;
     const size_t q = (size_t)M * XROW_BYTES(K);
     const size_t cs = (size_t)M * (1 + XS_LD(K / G)) * sizeof(float);
     t->xq = idot_scratch(slot, q + cs);
@@ -165,7 +174,7 @@ static void idot_round_rows(int64_t lo, int64_t hi, int64_t K, int64_t G, const 
                             int64_t ldx, const struct idot_rows *r) {
     for (int64_t i = lo; i < hi; i++)
         idot_round_row(K, G, x + i * ldx, r->xq + i * XROW_BYTES(K), r->c + i,
-                       r->xs + i * XS_LD(K / G));
+                       r->xs + i * XS_LD(K / G), r->grid8);
 }
 
 struct idot_group_rows {
@@ -450,13 +459,14 @@ static void ICAT(idot_panel, ISFX)(int64_t M, int64_t K, const int8_t *xq, const
 }
 
 /* y = x @ w^T for M token rows on the integer dots: the rows rounded once (split among the
- * threads), then the threads share out panels of PANEL weight rows. -1 when the scratch
- * cannot be allocated (nothing computed). */
+ * threads; grid8: to their int8 grids first), then the threads share out panels of PANEL
+ * weight rows. -1 when the scratch cannot be allocated (nothing computed). */
 static int ICAT(gemm_idot, ISFX)(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                                  const uint8_t *q, int64_t ldq, const float *scale,
-                                 const uint8_t *zero, int64_t G, float *y, int64_t ldy) {
+                                 const uint8_t *zero, int64_t G, float *y, int64_t ldy,
+                                 int grid8) {
     struct idot_rows t;
-    if (idot_alloc(M, K, G, 0, &t)) return -1;
+    if (idot_alloc(M, K, G, 0, grid8, &t)) return -1;
     const int64_t panels = (N + PANEL - 1) / PANEL, ng = K / G;
     /* a few rows are rounded before the threads start, more by the threads (then a barrier) */
     const int alone = M * K <= 16384;
@@ -480,18 +490,19 @@ static int ICAT(gemm_idot, ISFX)(int64_t M, int64_t N, int64_t K, const float *x
 
 /* int4.c's moe body on the integer dots: the groups' rows of x rounded once, their gate/up
  * rows, then the activation and the rounding of each hidden row in one pass, then the down
- * rows; the threads share out the weight panels of all experts at once. -1 when the
- * scratch cannot be allocated (nothing computed). */
+ * rows (grid8: the rows and the hidden on their int8 grids first); the threads share out
+ * the weight panels of all experts at once. -1 when the scratch cannot be allocated
+ * (nothing computed). */
 static int ICAT(moe_idot, ISFX)(int64_t n_groups, const int64_t *expert, const int64_t *start,
                                 const int64_t *count, int64_t D, int64_t F, const float *x,
                                 const uint8_t *q13, const float *s13, const uint8_t *z13,
                                 const uint8_t *q2, const float *s2, const uint8_t *z2, int64_t G,
-                                const float *route_w, float *h, float *y) {
+                                const float *route_w, float *h, float *y, int grid8) {
     int64_t R = 0;
     for (int64_t g = 0; g < n_groups; g++)
         R = start[g] + count[g] > R ? start[g] + count[g] : R;
     struct idot_rows rx, rh;
-    if (idot_alloc(R, D, G, 0, &rx) || idot_alloc(R, F, G, 1, &rh)) return -1;
+    if (idot_alloc(R, D, G, 0, grid8, &rx) || idot_alloc(R, F, G, 1, grid8, &rh)) return -1;
     const int64_t panels13 = (2 * F + PANEL - 1) / PANEL, panels2 = (D + PANEL - 1) / PANEL;
     const int64_t ng13 = D / G, ng2 = F / G;
 #pragma omp parallel

@@ -43,7 +43,8 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kernel packs it (``round(x * (127 / max|row|))``, nearest even; ``s = max|row| / 127``)."""
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    # a tensor numerator: ``127 / t`` is ``t.reciprocal() * 127`` in torch, rounded twice
+    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
     xq = torch.round(x * inv.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
     return xq, amax / QMAX
 

@@ -119,7 +119,7 @@ class MoEDecodeCalls:
         self.logits = torch.empty(T, self.route_const[0], dtype=torch.float32)
         self.ids = torch.empty(T, self.K, dtype=torch.int64)
         self.w = torch.empty(T, self.K, dtype=torch.float32)
-        b = self.buffers = MoEBuffers.empty(R, D, self.F, self.num_slots)
+        b = self.buffers = MoEBuffers.empty(R, D, self.F, self.num_slots, tokens=T)
         self.route_out = (self.ids.data_ptr(), self.w.data_ptr())
         m = b.meta
         self.sort_args = (T, self.K, self.num_slots, self.ids.data_ptr(), self.w.data_ptr())

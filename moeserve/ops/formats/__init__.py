@@ -7,6 +7,8 @@
     w8a8_int8    w8a8_int8.py  int8's, rows of x rounded too    fp32
     int4         int4.py       4-bit codes, a scale and zero    fp32
                                point per group of columns
+    w4a8_int8    w4a8_int8.py  int4's, rows of x rounded to     fp32
+                               int8 (AMX's int8 tiles)
 
 A weight carries its format: an int8 weight (``quant/int8.py``) names it, a dense tensor's is
 its dtype's (fp32, bf16; other dtypes get the plain torch format of ``base.py``). Layers call
@@ -36,11 +38,13 @@ _MODULES = {
     "w8a8_int8": "w8a8_int8",
     "bf16": "bf16",
     "int4": "int4",
+    "w4a8_int8": "w4a8_int8",
 }
 # what --quantization takes: "none" keeps the checkpoint's weights in the model dtype
 QUANTIZATIONS = ("none", *(n for n in _MODULES if n != "fp32"))
 _DENSE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 INT4_GROUP_SIZES = (32, 64, 128)  # columns per scale int4 takes (ops/formats/int4.py)
+INT4_FORMATS = ("int4", "w4a8_int8")  # the formats of int4 weights, which take int4's options
 
 
 def normalize_quantization(name: str | None) -> str | None:
@@ -62,12 +66,12 @@ def get(name: str) -> WeightFormat:
 
 
 def check_options(name: str | None, int4_group_size: int | None, int4_symmetric: bool) -> None:
-    """Raise ValueError for int4's options given with another format, or a group size int4
-    does not take (without loading any format)."""
-    if name != "int4" and (int4_group_size is not None or not int4_symmetric):
+    """Raise ValueError for int4's options given with a format of other weights, or a group
+    size int4 does not take (without loading any format)."""
+    if name not in INT4_FORMATS and (int4_group_size is not None or not int4_symmetric):
         raise ValueError(
-            "int4_group_size and int4_symmetric apply to quantization int4 only, not "
-            f"{name or 'none'}"
+            "int4_group_size and int4_symmetric apply to the int4 weights of quantization "
+            f"{' and '.join(INT4_FORMATS)} only, not {name or 'none'}"
         )
     if int4_group_size is not None and int4_group_size not in INT4_GROUP_SIZES:
         raise ValueError(
@@ -80,12 +84,13 @@ def configured(
     name: str | None, int4_group_size: int | None = None, int4_symmetric: bool = True
 ) -> WeightFormat | None:
     """The format ``name`` quantizing as the options say (None for None). The options are
-    int4's (``ops/formats/int4.py``); ValueError as :func:`check_options` says."""
+    int4's (``ops/formats/int4.py``, w4a8_int8's too); ValueError as :func:`check_options`
+    says."""
     check_options(name, int4_group_size, int4_symmetric)
     if name is None:
         return None
     fmt = get(name)
-    return fmt.configured(int4_group_size, int4_symmetric) if name == "int4" else fmt
+    return fmt.configured(int4_group_size, int4_symmetric) if name in INT4_FORMATS else fmt
 
 
 @cache

@@ -21,6 +21,7 @@ from functools import cache
 
 import torch
 
+from moeserve.ops import formats
 from moeserve.ops.cpu import int4 as int4_kernels
 from moeserve.ops.formats import check_options
 from moeserve.ops.formats.base import (
@@ -36,6 +37,7 @@ from moeserve.quant.int4 import DEFAULT_GROUP_SIZE, Int4Tensor, Int4Weight, as_i
 class Int4Format(WeightFormat):
     activation_dtype = torch.float32
     kn_layout_ok = False
+    rounds_activations = False  # w4a8_int8: every GEMM rounds its input rows to int8
 
     def __init__(
         self,
@@ -60,7 +62,9 @@ class Int4Format(WeightFormat):
     ) -> Int4Format:
         """This format quantizing with ``group_size`` (None: the default) and ``symmetric``;
         ``act_order``: its weights hold a column order (a GPTQ act-order checkpoint)."""
-        return _configured(self.name, group_size or DEFAULT_GROUP_SIZE, symmetric, act_order)
+        return _configured(
+            type(self), self.name, group_size or DEFAULT_GROUP_SIZE, symmetric, act_order
+        )
 
     def kernels_available(self) -> bool:
         return int4_kernels.available()
@@ -70,8 +74,8 @@ class Int4Format(WeightFormat):
         weight per call, far slower than the formats it would replace, so it is refused."""
         if device.type == "cpu" and not {"avx2", "fma"} <= cpu_flags():
             raise ValueError(
-                "--quantization int4 needs a CPU with AVX2 and FMA (its kernels); this CPU "
-                "lacks them: use int8 or bf16"
+                f"--quantization {self.name} needs a CPU with AVX2 and FMA (int4's kernels); "
+                "this CPU lacks them: use int8 or bf16"
             )
 
     def make_weight(self, p):
@@ -86,7 +90,7 @@ class Int4Format(WeightFormat):
                 act_order=self.act_order,
             )
         except ValueError as e:
-            raise ValueError(f"--quantization int4: {e}") from None
+            raise ValueError(f"--quantization {self.name}: {e}") from None
 
     def dense(self, w, dtype):
         return as_int4(w).dequantize(dtype)
@@ -98,7 +102,7 @@ class Int4Format(WeightFormat):
         w = as_int4(w)
         if w.perm is not None:  # GPTQ act-order: the stored columns read x in their order
             x, w = x.index_select(-1, w.perm), _in_order(w)
-        if bias is None and int4_kernels.usable(x, w):  # decode
+        if bias is None and not self.rounds_activations and int4_kernels.usable(x, w):  # decode
             return int4_kernels.gemm_nt(x, w)
         return through_fp32_rows(x, w.shape[0], lambda x2: self.matmul(x2, w, None), bias)
 
@@ -134,6 +138,10 @@ class Int4Format(WeightFormat):
             )
             x_RD = torch.gather(x_RD, 1, q13.perm[expert_R].long())
             q13 = _in_order(q13)
+        return self.experts_in_order(x_RD, experts, counts, q13, q2, weight_R)
+
+    def experts_in_order(self, x_RD, experts, counts, q13, q2, weight_R):
+        """:meth:`moe_experts` once each row holds its columns in its weights' order."""
         if int4_kernels.moe_usable(x_RD, counts, q13, q2):
             return int4_kernels.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
         return None
@@ -155,10 +163,12 @@ def _in_order(w: Int4Tensor) -> Int4Tensor:
 
 
 @cache
-def _configured(name: str, group_size: int, symmetric: bool, act_order: bool) -> Int4Format:
+def _configured(
+    cls: type[Int4Format], name: str, group_size: int, symmetric: bool, act_order: bool
+) -> Int4Format:
     if group_size == DEFAULT_GROUP_SIZE and symmetric and not act_order:
-        return FORMAT
-    return Int4Format(name, group_size, symmetric, act_order)
+        return formats.get(name)  # the registered instance
+    return cls(name, group_size, symmetric, act_order)
 
 
 FORMAT = Int4Format("int4")

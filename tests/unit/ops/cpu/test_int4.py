@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from moeserve.ops.cpu import build, int4
 from moeserve.ops.cpu.bound import MoEBuffers
 from moeserve.quant.int4 import Int4Tensor, Int4Weight, pack_nibbles, quantize_groups
+from tests.helpers import fill_routing
 
 needs_kernels = pytest.mark.skipif(
     not int4.available(), reason="no AVX2/FMA CPU or no C compiler: the references are used"
@@ -263,15 +264,7 @@ def test_bound_moe(T):
     buffers = MoEBuffers.empty(R, D, Fd, E)
     bound.prepare(buffers)
     for _ in range(2):
-        ids = torch.randint(0, E, (R,), generator=g).sort().values
-        counts_E = torch.bincount(ids, minlength=E).tolist()
-        experts = [e for e in range(E) if counts_E[e]]
-        counts = [counts_E[e] for e in experts]
-        starts = torch.tensor(counts).cumsum(0) - torch.tensor(counts)
-        G_ = len(experts)
-        buffers.meta[:, :G_] = torch.tensor([experts, starts.tolist(), counts])
-        buffers.x_sorted.copy_(torch.randn(R, D, generator=g))
-        buffers.weight.copy_(torch.rand(R, generator=g))
+        experts, counts, G_ = fill_routing(buffers, E, g)
         got = bound.run(G_)
         assert got is buffers.y_sorted
         want = int4.moe_int4_ref(buffers.x_sorted, experts, counts, w13, w2, buffers.weight)

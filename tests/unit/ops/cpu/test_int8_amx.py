@@ -33,6 +33,22 @@ def test_quantize_rows_ref_grid():
     assert (back - x).abs().max() <= (s.max() / 2) + 1e-7  # within half a grid step
 
 
+def test_quantize_rows_ref_divides_as_the_kernel():
+    """The row's inverse scale is ``127 / max`` in one fp32 division, as in the kernel;
+    torch's ``127 / t`` is ``t.reciprocal() * 127``, rounded twice. On this row the division
+    puts 0.043700784 at 1.5 (rounded to 2, an even tie) and the reciprocal at 1.4999998 (1)."""
+    x = torch.tensor([[3.7, 0.043700784]])
+    xq, _ = int8_amx.quantize_rows_ref(x)
+    assert xq.tolist() == [[127, 2]]
+    if int8_amx.available():  # the kernel, through a weight that picks the second column
+        w = torch.zeros(16, 64, dtype=torch.int8)
+        w[0, 1] = 1
+        row = torch.zeros(1, 64)
+        row[0, :2] = x[0]
+        y = int8_amx.gemm_nt(row, Int8Tensor(w, torch.ones(16)))
+        assert y[0, 0].item() == pytest.approx(2 * 3.7 / 127, rel=1e-6)
+
+
 def test_gemm_ref_is_the_quantized_product():
     """The reference multiplies the rows rounded to their grids by the dequantized weight."""
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(1))
@@ -107,11 +123,13 @@ def test_moe_matches_reference(counts):
     assert (diff > 1e-5 * want.abs().max()).float().mean() < 0.05  # almost all agree
 
 
-def max_hidden_scale(x, experts, counts, w13) -> float:
+def max_hidden_scale(x, experts, counts, w13, gemm_ref=int8_amx.gemm_ref) -> float:
+    """The largest grid step of an MoE call's hidden rows (``gemm_ref``: the projection's
+    reference; test_int4_amx.py passes w4a8's)."""
     F_ = w13.shape[1] // 2
     best, start = 0.0, 0
     for e, n in zip(experts, counts):
-        gate, up = int8_amx.gemm_ref(x[start : start + n], w13[e]).split(F_, dim=-1)
+        gate, up = gemm_ref(x[start : start + n], w13[e]).split(F_, dim=-1)
         best = max(best, (F.silu(gate) * up).abs().max().item() / int8_amx.QMAX)
         start += n
     return best

@@ -114,7 +114,7 @@ def test_the_format_in_the_registry():
     assert small.group_size == 32 and not small.symmetric and small.name == "int4"
     w = small.make_weight(torch.nn.Parameter(torch.empty(8, 64)))
     assert formats.of(w) is fmt  # a weight computes the same whatever it was quantized with
-    with pytest.raises(ValueError, match="apply to quantization int4 only"):
+    with pytest.raises(ValueError, match="apply to the int4 weights of quantization int4 and w4a8"):
         formats.configured("int8", 64)
     with pytest.raises(ValueError, match="must be one of"):
         formats.check_options("int4", 16, True)

@@ -31,15 +31,20 @@ def test_int4_options():
     assert (cfg.int4_group_size, cfg.int4_symmetric) == (64, False)
     with pytest.raises(ValueError, match="int4_group_size must be one of 32, 64, 128"):
         EngineConfig(model="m", quantization="int4", int4_group_size=100)
-    with pytest.raises(ValueError, match="apply to quantization int4 only, not int8"):
+    with pytest.raises(ValueError, match="quantization int4 and w4a8_int8 only, not int8"):
         EngineConfig(model="m", quantization="int8", int4_group_size=64)
-    with pytest.raises(ValueError, match="apply to quantization int4 only, not none"):
+    with pytest.raises(ValueError, match="quantization int4 and w4a8_int8 only, not none"):
         EngineConfig(model="m", int4_symmetric=False)
     args = build_parser().parse_args(
         ["serve", "--quantization", "int4", "--int4-group-size", "32", "--int4-asymmetric"]
     )
     kw = engine_kwargs(args)
     assert (kw["quantization"], kw["int4_group_size"], kw["int4_symmetric"]) == ("int4", 32, False)
+    args = build_parser().parse_args(
+        ["serve", "--quantization", "w4a8_int8", "--int4-group-size", "64"]
+    )
+    kw = engine_kwargs(args)
+    assert (kw["quantization"], kw["int4_group_size"]) == ("w4a8_int8", 64)
 
 
 def test_cli_flag(capsys):

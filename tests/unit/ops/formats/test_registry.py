@@ -12,11 +12,11 @@ from moeserve.ops.cpu import int4
 from moeserve.ops.formats.base import WeightFormat
 from moeserve.quant.int8 import Int8Weight
 
-NAMES = ["fp32", "int8", "w8a8_int8", "bf16", "int4"]
+NAMES = ["fp32", "int8", "w8a8_int8", "bf16", "int4", "w4a8_int8"]
 
 
 def test_registry_names_and_quantization_choices():
-    assert formats.QUANTIZATIONS == ("none", "int8", "w8a8_int8", "bf16", "int4")
+    assert formats.QUANTIZATIONS == ("none", "int8", "w8a8_int8", "bf16", "int4", "w4a8_int8")
     for name in NAMES:
         fmt = formats.get(name)
         assert isinstance(fmt, WeightFormat) and fmt.name == name
@@ -59,6 +59,7 @@ def test_weight_bytes():
     [
         ("int8", "auto", ("int8", torch.float32)),
         ("w8a8_int8", "auto", ("w8a8_int8", torch.float32)),
+        ("w4a8_int8", "auto", ("w4a8_int8", torch.float32)),
         ("bf16", "auto", ("bf16", torch.float32)),
         ("int8", "bfloat16", ("int8", torch.bfloat16)),  # an explicit dtype is kept
         (None, "float32", (None, torch.float32)),
@@ -75,11 +76,11 @@ def _weight(name: str, w: torch.Tensor):
     return stored
 
 
-# each format against F.linear on what it holds (bf16-rounded or q * scale); w8a8 also
-# rounds the rows, so its bound is the rounding of x (measured ~0.02 on these values), and
+# each format against F.linear on what it holds (bf16-rounded or q * scale); w8a8 and w4a8
+# also round the rows, so their bound is the rounding of x (measured ~0.02 on these values), and
 # so does int4 on the integer dots, to 2^-16 of each row's max (~1.4e-3 here)
 INT4_ROUNDS = int4.available() and int4.rounds_rows(None, 130)
-BOUNDS = {"fp32": 1e-5, "bf16": 1e-2, "int8": 1e-4, "w8a8_int8": 0.15}
+BOUNDS = {"fp32": 1e-5, "bf16": 1e-2, "int8": 1e-4, "w8a8_int8": 0.15, "w4a8_int8": 0.15}
 BOUNDS["int4"] = 5e-4 if INT4_ROUNDS else 1e-4
 
 

@@ -28,7 +28,7 @@ from moeserve.ops.cpu import bf16_amx, int8_amx
 from moeserve.ops.linear import BoundLinear, linear, linear_into
 from moeserve.ops.moe import experts_sorted
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, quantize_rows
-from tests.checkpoints import build_hf_model, save_hf_checkpoint
+from tests.checkpoints import DEEPSEEK_TILES, build_hf_model, save_hf_checkpoint
 from tests.helpers import max_logprob_gap
 from tests.int8_oracle import write_int8_oracle
 
@@ -46,16 +46,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     # deepseek_tiles has every GEMM on the int8 tiles (K % 64, N % 16) and the absorbed MLA
     # products on the bf16 ones; qwen3_moe's experts (F 32) take the per-expert fallback
     models = {
-        "deepseek_tiles": build_hf_model(
-            "deepseek_v3",
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=64,
-            q_lora_rank=64,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
-        ),
+        "deepseek_tiles": build_hf_model("deepseek_v3", **DEEPSEEK_TILES),
         "qwen3_moe": build_hf_model("qwen3_moe"),
     }
     for kind, model in models.items():
