@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-all lint bench
+.PHONY: setup demo test-deps test test-slow test-all lint bench
 
 $(STAMP): pyproject.toml
 	# Mooncake's libraries (PD disaggregation): installs them as root, else says what to run
@@ -22,13 +22,17 @@ setup: $(STAMP)
 demo: setup
 	BIN=$(BIN) scripts/demo.sh
 
-test: setup
+# the test set-up: the aarch64 cross tools the ARM kernel tests use (as root; else they skip)
+test-deps:
+	scripts/install_test_deps.sh
+
+test: setup test-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-slow: setup
+test-slow: setup test-deps
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
-test-all: setup
+test-all: setup test-deps
 	$(BIN)/python -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
 
 lint: setup

@@ -53,7 +53,7 @@ def interleaved_ms(fns: dict, rounds: int = 4, budget_s: float = 0.06) -> dict[s
 
 
 def variants(isas: list[bool], kernel, reference) -> dict:
-    fns = {("AVX-512" if wide else "AVX2"): (lambda wide=wide: kernel(wide)) for wide in isas}
+    fns = {fp32_kernels.isa_name(wide): (lambda wide=wide: kernel(wide)) for wide in isas}
     fns["MKL"] = reference
     return fns
 
@@ -166,7 +166,7 @@ def main() -> None:
         raise SystemExit("the fp32 kernels are not available here (no AVX2/FMA or no compiler)")
     g = torch.Generator().manual_seed(0)
     isas = [False, True] if fp32_kernels.wide() else [False]
-    names = [*("AVX-512" if wide else "AVX2" for wide in isas), "MKL"]
+    names = [*(fp32_kernels.isa_name(wide) for wide in isas), "MKL"]
     shapes = SHAPES
     if args.shapes:
         shapes = [

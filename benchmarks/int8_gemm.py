@@ -142,7 +142,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     isas = [False, True] if int8.wide() else [False]
-    names = ["AVX-512" if wide else "AVX2" for wide in isas]
+    names = [fp32_kernels.isa_name(wide) for wide in isas]
     gb_head = " | ".join(f"int8 {n} GB/s" for n in names)
     up_head = " | ".join(f"{n} speedup" for n in names)
     print(f"| weight (N x K) | M | fp32 kernel GB/s | {gb_head} | {up_head} |")

@@ -47,6 +47,18 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+@lru_cache(maxsize=1)
+def sve_vector_bits() -> int | None:
+    """The SVE vector length, in bits, Linux gives new processes on this CPU
+    (``/proc/sys/abi/sve_default_vector_length`` holds bytes); None without SVE or when
+    unknown."""
+    try:
+        with open("/proc/sys/abi/sve_default_vector_length") as f:
+            return int(f.read().strip()) * 8
+    except (OSError, ValueError):
+        return None
+
+
 def cpu_has_fast_bf16() -> bool:
     """AVX-512-BF16 or AMX-BF16: bf16 compute is then faster than fp32 on this CPU."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})

@@ -12,7 +12,8 @@ nothing but the cross toolchain and qemu.
 
 CPUS: ``neon`` (a Cortex-A72: NEON only), ``sve256`` and ``sve512`` (qemu's ``max`` CPU with
 SVE vectors of 2 and 4 quadwords; it also has the dot-product, int8-matrix and bf16
-extensions).
+extensions). A kernel's SVE body is built for the CPU's vector length, as on a real host
+(``build.compile_flags``).
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ QEMU = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
 MISSING = (
     None
     if CROSS_CC and QEMU
-    else "needs gcc-aarch64-linux-gnu and qemu-user-static (apt-get install, as root)"
+    else "needs gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and qemu-user-static: "
+    "scripts/install_test_deps.sh installs them as root (make test runs it)"
 )
-# qemu -cpu, and the /proc/cpuinfo features such a CPU reports (what build.arm_march reads)
+# qemu -cpu, the /proc/cpuinfo features such a CPU reports (what build.arm_march reads) and
+# its SVE vector length in bits (what build.compile_flags fixes the SVE bodies to)
 CPUS = {
-    "neon": ("cortex-a72", "fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid"),
-    "sve256": ("max,sve-max-vq=2", "fp asimd asimddp i8mm bf16 sve"),
-    "sve512": ("max,sve-max-vq=4", "fp asimd asimddp i8mm bf16 sve"),
+    "neon": ("cortex-a72", "fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid", None),
+    "sve256": ("max,sve-max-vq=2", "fp asimd asimddp i8mm bf16 sve", 256),
+    "sve512": ("max,sve-max-vq=4", "fp asimd asimddp i8mm bf16 sve", 512),
 }
 _TYPES = {np.dtype(np.float32): 0, np.dtype(np.int64): 1}
 _DTYPES = {code: dtype for dtype, code in _TYPES.items()}
@@ -48,7 +51,8 @@ _DTYPES = {code: dtype for dtype, code in _TYPES.items()}
 def build_driver(kernel: str, cpu: str, out_dir: Path) -> Path:
     """The static aarch64 binary of ``<kernel>_driver.c`` with ``ops/cpu/<kernel>.c``,
     compiled for ``cpu``'s features."""
-    flags = build.compile_flags("aarch64", frozenset(CPUS[cpu][1].split()))
+    _, features, sve_bits = CPUS[cpu]
+    flags = build.compile_flags("aarch64", frozenset(features.split()), sve_bits)
     assert flags is not None
     flags = tuple(f for f in flags if f not in ("-shared", "-fPIC"))
     out = out_dir / f"{kernel}-{cpu}"

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.e2e.server import API_KEY, start_server
 
 LONG_TOKENS = 400
+QUEUE_TOKENS = 1900  # the full-queue test's streams: most of the tiny model's 2048 positions
 
 
 def _error(r: httpx.Response, status: int) -> dict:
@@ -28,11 +29,11 @@ def _error(r: httpx.Response, status: int) -> dict:
 
 
 class LongStream(threading.Thread):
-    """A greedy stream of LONG_TOKENS tokens read in the background."""
+    """A greedy stream of ``max_tokens`` tokens read in the background."""
 
-    def __init__(self, client: openai.OpenAI, model: str) -> None:
+    def __init__(self, client: openai.OpenAI, model: str, max_tokens: int = LONG_TOKENS) -> None:
         super().__init__(daemon=True)
-        self.client, self.model = client, model
+        self.client, self.model, self.max_tokens = client, model, max_tokens
         self.tokens, self.chunks, self.error = 0, 0, None
         self.started = threading.Event()
 
@@ -41,7 +42,7 @@ class LongStream(threading.Thread):
             stream = self.client.completions.create(
                 model=self.model,
                 prompt="A long story about experts",
-                max_tokens=LONG_TOKENS,
+                max_tokens=self.max_tokens,
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
@@ -135,7 +136,10 @@ def test_full_queue_is_503_with_retry_after():
     try:
         client = openai.OpenAI(base_url=srv.v1, api_key=API_KEY, max_retries=0)
         model = client.models.list().data[0].id
-        running, waiting = LongStream(client, model), LongStream(client, model)
+        # the queue must stay full until the third request is answered: on a fast host 400
+        # tokens of the tiny model took under a second, and the queue could empty first
+        n = QUEUE_TOKENS
+        running, waiting = LongStream(client, model, n), LongStream(client, model, n)
         running.start()
         assert running.started.wait(60)
         waiting.start()  # queued behind the running one (max_num_seqs=1)
@@ -151,7 +155,7 @@ def test_full_queue_is_503_with_retry_after():
         assert r.headers["retry-after"] == "1"
         running.join(120)
         waiting.join(120)
-        assert running.tokens == waiting.tokens == LONG_TOKENS
+        assert running.tokens == waiting.tokens == n
     finally:
         assert srv.stop() == 0, srv.text()
 

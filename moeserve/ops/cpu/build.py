@@ -4,8 +4,11 @@ loaded with ctypes (no torch headers, so a build takes about a second).
 
 The flags follow the machine (:func:`compile_flags`): on x86-64 AVX2 and FMA, the baseline of
 every kernel (wider paths are picked at run time inside them); on aarch64 ``-march`` from what
-the CPU reports (:func:`arm_march`). On aarch64 only the sources in :data:`PORTABLE` build so
-far; the rest have x86 bodies only (issue 27 adds their NEON/SVE ones).
+the CPU reports (:func:`arm_march`), and with SVE the vector length Linux gives new processes
+(``-msve-vector-bits``: the kernels' SVE bodies use fixed-length vectors, so a build runs at
+that length only; without it they build NEON's). On aarch64 only the sources of
+:data:`ARM_SOURCES` build so far; the rest have x86 bodies only (issue 27 adds their NEON/SVE
+ones).
 
 Loaded after torch, a library's OpenMP calls bind to the ``libgomp.so.1`` torch already
 loaded, so it shares torch's thread pool and ``torch.set_num_threads``. :func:`load` returns
@@ -28,13 +31,15 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from moeserve.platform import cpu_flags, default_cache_dir
+from moeserve.platform import cpu_flags, default_cache_dir, sve_vector_bits
 
 logger = logging.getLogger(__name__)
 
 ARM_MACHINES = ("aarch64", "arm64")  # platform.machine() on Linux and on macOS
 # sources in portable C (no intrinsics), which build for aarch64 as they are
 PORTABLE = frozenset({"bitmask.c", "moe_sort.c", "rope.c"})
+# the sources with an aarch64 body: the portable ones, and those with NEON/SVE inner loops
+ARM_SOURCES = PORTABLE | {"fp32.c", "int8.c"}
 # aarch64 Features -> GCC -march extension, in the order GCC expects them
 _ARM_EXTENSIONS = (("asimddp", "dotprod"), ("i8mm", "i8mm"), ("bf16", "bf16"), ("sve", "sve"))
 
@@ -47,9 +52,12 @@ def arm_march(features: frozenset[str]) -> str:
     return "-march=" + "+".join(["armv8.2-a" if ext else "armv8-a", *ext])
 
 
-def compile_flags(machine: str, features: frozenset[str]) -> tuple[str, ...] | None:
+def compile_flags(
+    machine: str, features: frozenset[str], sve_bits: int | None = None
+) -> tuple[str, ...] | None:
     """The compiler flags of the kernels on a ``machine`` (``platform.machine()``) whose CPU
-    reports ``features``; None where they do not run (see the module's doc)."""
+    reports ``features`` (and, with SVE, runs vectors of ``sve_bits``; None: unknown, the
+    NEON bodies build); None where they do not run (see the module's doc)."""
     if machine in ("x86_64", "AMD64"):
         if not {"avx2", "fma"} <= features:
             return None
@@ -57,7 +65,8 @@ def compile_flags(machine: str, features: frozenset[str]) -> tuple[str, ...] | N
     if machine in ARM_MACHINES:
         if "asimd" not in features:
             return None
-        return ("-O3", arm_march(features), "-fopenmp", "-shared", "-fPIC")
+        vl = (f"-msve-vector-bits={sve_bits}",) if sve_bits and "sve" in features else ()
+        return ("-O3", arm_march(features), *vl, "-fopenmp", "-shared", "-fPIC")
     return None
 
 
@@ -84,10 +93,10 @@ def load(source: Path) -> ctypes.CDLL | None:
     if os.environ.get("MOESERVE_CPU_KERNELS", "1") == "0":
         return None
     machine = platform.machine()
-    flags = compile_flags(machine, cpu_flags())
+    flags = compile_flags(machine, cpu_flags(), sve_vector_bits())
     if flags is None:
         return None
-    if machine in ARM_MACHINES and source.name not in PORTABLE:
+    if machine in ARM_MACHINES and source.name not in ARM_SOURCES:
         logger.debug("%s has no aarch64 body yet: the torch reference runs", source.name)
         return None
     # the headers beside the source are part of it (common.h)

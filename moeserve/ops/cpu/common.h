@@ -1,12 +1,19 @@
 /* Helpers shared by the C kernels of this folder (attention.c, fp32.c, int8.c, int4.c): a
- * horizontal sum, a vector e^x, the gated activation of the MoE layers, and how an MoE
- * call's jobs are split among threads. AVX2+FMA only (the baseline of every kernel here). build.py hashes this header
+ * horizontal sum, a vector e^x, the gated activation of the MoE layers, a prefetch, and how
+ * an MoE call's jobs are split among threads. The vector helpers exist for x86-64 (AVX2+FMA,
+ * the baseline of the x86 kernels) and for aarch64 (NEON, the baseline there: the same
+ * Cephes polynomial 4 lanes at a time); the rest is plain C. build.py hashes this header
  * with each source, so a change to it rebuilds them. */
 #ifndef MOESERVE_CPU_COMMON_H
 #define MOESERVE_CPU_COMMON_H
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+/* a read prefetch of the line at p into every cache level */
+#define PREFETCH_T0(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 
 /* the sum of v's 8 lanes (fp32.c, int8.c, int4.c) */
 static inline float hsum256(__m256 v) {
@@ -55,6 +62,46 @@ static inline void silu_mul_row(int64_t F, float *row) {
         row[f] = g / (1.0f + expf(-g)) * row[F + f];
     }
 }
+
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+
+#define PREFETCH_T0(p) __builtin_prefetch((const void *)(p), 0, 3)
+
+/* e^x for x <= 0, 4 at a time: exp256_neg's polynomial and clamp on NEON */
+static inline float32x4_t exp4_neg(float32x4_t x) {
+    x = vmaxq_f32(x, vdupq_n_f32(-87.0f));
+    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));
+    r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+    float32x4_t p = vdupq_n_f32(1.9875691500e-4f);
+    p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
+    p = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.0f)), vmulq_f32(p, r), r);
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+
+/* silu_mul_row of the x86 helpers, 4 lanes at a time */
+static inline void silu_mul_row(int64_t F, float *row) {
+    const float32x4_t one = vdupq_n_f32(1.0f);
+    int64_t f = 0;
+    for (; f + 4 <= F; f += 4) {
+        const float32x4_t g = vld1q_f32(row + f);
+        const float32x4_t e = exp4_neg(vnegq_f32(vabsq_f32(g))); /* e^-|g| */
+        const uint32x4_t neg = vcltq_f32(g, vdupq_n_f32(0.0f));
+        const float32x4_t sig = vdivq_f32(vbslq_f32(neg, e, one), vaddq_f32(one, e));
+        vst1q_f32(row + f, vmulq_f32(vmulq_f32(g, sig), vld1q_f32(row + F + f)));
+    }
+    for (; f < F; f++) {
+        const float g = row[f];
+        row[f] = g / (1.0f + expf(-g)) * row[F + f];
+    }
+}
+#endif
 
 /* fn(j, ctx) for thread t of nt's equal share of the rows j of every group (group g: rows
  * start[g] .. start[g] + count[g]); the groups need not be back to back (an MoE call may

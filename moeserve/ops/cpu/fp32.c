@@ -1,5 +1,6 @@
 /* fp32 kernels for decode (a few token rows) on AVX2+FMA CPUs, with an AVX-512F variant of
- * the GEMMs. The core is the few-row GEMM y[M, N] = x[M, K] @ w[N, K]^T; the MoE layer, the
+ * the GEMMs, and on aarch64 with NEON or SVE bodies of the same GEMMs (at the end of the
+ * x86 part). The core is the few-row GEMM y[M, N] = x[M, K] @ w[N, K]^T; the MoE layer, the
  * per-head GEMMs of MLA, RMSNorm and routing build on it.
  *
  * Decode multiplies a handful of token rows by large weights, so the weight must be streamed
@@ -21,7 +22,6 @@
  * it shares torch's OpenMP runtime and thread count.
  */
 #ifndef FP32_BODY
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -46,6 +46,7 @@ static inline int64_t prefetch_ahead(int64_t ldw) {
     return pair * ((MIN_PREFETCH + pair - 1) / pair);
 }
 
+#if defined(__x86_64__)
 /* ---- AVX2 + FMA: 8 lanes, blocks of 6 rows (12 accumulators + 3 of 16 registers) ---- */
 #define FP32_BODY
 #define W 8
@@ -211,6 +212,84 @@ void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, con
     }
 }
 
+#elif defined(__aarch64__)
+/* ---- aarch64: NEON (4 lanes), or SVE where the build fixed its vector length
+ * (-msve-vector-bits: ops/cpu/build.py reads the CPU's); pairs of weight rows against blocks
+ * of 12 token rows (24 accumulators + 3 of 32 registers), the AVX-512 pairs' shape. One body
+ * per build: the SVE one where it was compiled, else NEON's (`wide` is x86's choice). ---- */
+#define FP32_BODY
+#define MB 12
+#define NJ 2
+#if defined(__ARM_FEATURE_SVE_BITS) && __ARM_FEATURE_SVE_BITS > 0
+#include <arm_sve.h>
+#define W (__ARM_FEATURE_SVE_BITS / 32)
+#define SFX _sve
+typedef svfloat32_t vf_sve __attribute__((arm_sve_vector_bits(__ARM_FEATURE_SVE_BITS)));
+#define VF vf_sve
+#define VZERO() svdup_n_f32(0.0f)
+#define VLOADU(p) svld1_f32(svptrue_b32(), p)
+#define VFMA(a, b, c) svmla_f32_x(svptrue_b32(), c, a, b)
+#define VADD(a, b) svadd_f32_x(svptrue_b32(), a, b)
+#define VHSUM(v) svaddv_f32(svptrue_b32(), v)
+#else
+#define W 4
+#define SFX _neon
+typedef float32x4_t vf_neon;
+#define VF vf_neon
+#define VZERO() vdupq_n_f32(0.0f)
+#define VLOADU(p) vld1q_f32(p)
+#define VFMA(a, b, c) vfmaq_f32(c, a, b)
+#define VADD(a, b) vaddq_f32(a, b)
+#define VHSUM(v) vaddvq_f32(v)
+#endif
+#define PAIR_ROWS_FEW CAT(pair_rows, SFX)
+#include "fp32.c" /* this file: its body, for this ISA */
+
+void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                            const float *w, int64_t ldw, float *y, int64_t ldy, int wide) {
+    (void)wide;
+    CAT(gemm, SFX)(M, N, K, x, ldx, w, ldw, y, ldy);
+}
+
+void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                        const int64_t *count, int64_t D, int64_t F, const float *x,
+                        const float *w13, const float *w2, const float *route_w, float *h,
+                        float *y, int wide) {
+    (void)wide;
+    CAT(moe, SFX)(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
+}
+
+void moeserve_head_gemm_nt_small(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
+                                 int64_t sxh, int64_t sxm, const float *w, int64_t swh,
+                                 int64_t ldw, float *y, int64_t syh, int64_t sym, int wide) {
+    (void)wide;
+    CAT(head_gemm, SFX)(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym);
+}
+
+/* RMSNorm of few rows (the x86 one's arithmetic, NEON's 4 lanes) */
+void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, const float *w,
+                       float eps, float *y, int64_t ldy) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
+        float32x4_t acc = vdupq_n_f32(0.0f);
+        int64_t d = 0;
+        for (; d + 4 <= D; d += 4) {
+            const float32x4_t v = vld1q_f32(xr + d);
+            acc = vfmaq_f32(acc, v, v);
+        }
+        float ss = vaddvq_f32(acc);
+        for (; d < D; d++) ss += xr[d] * xr[d];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (d = 0; d + 4 <= D; d += 4) {
+            const float32x4_t v = vmulq_n_f32(vld1q_f32(xr + d), inv);
+            vst1q_f32(yr + d, vmulq_f32(v, vld1q_f32(w + d)));
+        }
+        for (; d < D; d++) yr[d] = xr[d] * inv * w[d];
+    }
+}
+#endif
+
 /* DeepSeek-V3 routing for few rows (the reference is ops/routing.py: route_grouped_sigmoid):
  * scores = sigmoid(logits); choice = scores + bias; keep the topk_group groups whose two best
  * choice values sum highest; take the top_k choices among them (first index on ties);
@@ -287,8 +366,8 @@ static inline __attribute__((always_inline)) void CAT(dot_block, SFX)(
     for (; k + W <= K; k += W) {
         /* the pair's rows are adjacent: prefetching pf floats ahead of each keeps the stream
          * (and the next pair's rows) in flight; past the end of w it is a harmless no-op */
-        _mm_prefetch((const char *)(w0 + k + pf), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w1 + k + pf), _MM_HINT_T0);
+        PREFETCH_T0(w0 + k + pf);
+        PREFETCH_T0(w1 + k + pf);
         const VF v0 = VLOADU(w0 + k), v1 = VLOADU(w1 + k);
 #pragma GCC unroll 12
         for (int i = 0; i < MB; i++) {
@@ -325,8 +404,8 @@ static inline void CAT(dot_row1, SFX)(int64_t K, const float *x, const float *w0
     for (; k + 4 * W <= K; k += 4 * W) {
 #pragma GCC unroll 4
         for (int c = 0; c < 4 * W; c += 16) { /* one prefetch per 64-byte line */
-            _mm_prefetch((const char *)(w0 + k + c + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + k + c + pf), _MM_HINT_T0);
+            PREFETCH_T0(w0 + k + c + pf);
+            PREFETCH_T0(w1 + k + c + pf);
         }
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
@@ -403,7 +482,7 @@ static inline __attribute__((always_inline)) void CAT(dot_quad, SFX)(
         VF v[4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
-            _mm_prefetch((const char *)(wr[j] + k + pf), _MM_HINT_T0);
+            PREFETCH_T0(wr[j] + k + pf);
             v[j] = VLOADU(wr[j] + k);
         }
 #pragma GCC unroll 8

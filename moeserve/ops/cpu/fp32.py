@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import platform
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from moeserve.ops.cpu.bound import (
 )
 from moeserve.ops.cpu.bound import few_rows as _few_rows
 from moeserve.ops.cpu.build import F32, I64, INT, PTR
-from moeserve.platform import cpu_flags
+from moeserve.platform import cpu_flags, sve_vector_bits
 
 _SOURCE = Path(__file__).with_name("fp32.c")
 # measured faster than MKL's GEMM up to 128 rows here (96-128 rows: AVX-512 2.0-2.9x, AVX2
@@ -84,6 +85,16 @@ def wide() -> bool:
     """Whether the GEMMs run their AVX-512F variant (twice the lanes per FMA, twice the
     registers) here."""
     return "avx512f" in cpu_flags() and os.environ.get("MOESERVE_CPU_AVX512", "1") != "0"
+
+
+def isa_name(avx512: bool) -> str:
+    """What the kernels run as (benchmark tables): on x86-64 AVX-512F (``avx512``) or AVX2;
+    on aarch64 the one body each build has, SVE at the vector length it was built for, else
+    NEON (``ops/cpu/build.py``)."""
+    if platform.machine() in build.ARM_MACHINES:
+        bits = sve_vector_bits() if "sve" in cpu_flags() else None
+        return f"SVE-{bits}" if bits else "NEON"
+    return "AVX-512" if avx512 else "AVX2"
 
 
 def _wide(avx512: bool | None) -> int:

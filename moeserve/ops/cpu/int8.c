@@ -15,17 +15,18 @@
  *             each block of MBF token rows sweep the panel's pairs (each weight is converted
  *             once, and a block's x chunk stays in the near caches across the panel)
  *
- * The body is compiled twice (this file includes itself): for AVX2+FMA (8 lanes), the
- * baseline, and for AVX-512F (16 lanes, twice the FMA work per instruction) with
+ * The body is compiled twice on x86-64 (this file includes itself): for AVX2+FMA (8 lanes),
+ * the baseline, and for AVX-512F (16 lanes, twice the FMA work per instruction) with
  * `#pragma GCC target`; the caller picks one per call (`wide`), ops/cpu/int8.py from the
- * CPU's flags. Pure-torch references: ops/cpu/int8.py (linear_int8_ref, moe_int8_ref).
+ * CPU's flags. On aarch64 it is compiled once, for NEON or for SVE at the build's vector
+ * length. Pure-torch references: ops/cpu/int8.py (linear_int8_ref, moe_int8_ref).
  */
 #ifndef INT8_BODY
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common.h"
 
@@ -39,6 +40,7 @@
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
+#if defined(__x86_64__)
 /* ---- AVX2 + FMA: 8 lanes, blocks of 6 rows (12 accumulators of 16 registers) ---- */
 #define INT8_BODY
 #define W 8
@@ -165,6 +167,86 @@ void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
     }
 }
 
+#elif defined(__aarch64__)
+/* ---- aarch64: NEON (4 lanes), or SVE at the build's fixed vector length (fp32.c says why);
+ * 12 rows converted in registers (24 accumulators of 32 registers), 6 over a converted
+ * chunk, the AVX-512 body's shape. One body per build; `wide` is x86's choice. ---- */
+#define INT8_BODY
+#define MBQ 12
+#define MBF 6
+#if defined(__ARM_FEATURE_SVE_BITS) && __ARM_FEATURE_SVE_BITS > 0
+#include <arm_sve.h>
+#define W (__ARM_FEATURE_SVE_BITS / 32)
+#define SFX _sve
+typedef svfloat32_t vf_sve __attribute__((arm_sve_vector_bits(__ARM_FEATURE_SVE_BITS)));
+#define VF vf_sve
+#define VZERO() svdup_n_f32(0.0f)
+#define VLOADU(p) svld1_f32(svptrue_b32(), p)
+#define VLOAD(p) svld1_f32(svptrue_b32(), p)
+#define VSTORE(p, v) svst1_f32(svptrue_b32(), p, v)
+#define VFMA(a, b, c) svmla_f32_x(svptrue_b32(), c, a, b)
+#define VADD(a, b) svadd_f32_x(svptrue_b32(), a, b)
+#define VHSUM(v) svaddv_f32(svptrue_b32(), v)
+/* W int8 weights, sign-extended as they load, as W floats */
+#define VLOADQ(q) svcvt_f32_s32_x(svptrue_b32(), svld1sb_s32(svptrue_b32(), q))
+#else
+#define W 4
+#define SFX _neon
+typedef float32x4_t vf_neon;
+#define VF vf_neon
+#define VZERO() vdupq_n_f32(0.0f)
+#define VLOADU(p) vld1q_f32(p)
+#define VLOAD(p) vld1q_f32(p)
+#define VSTORE(p, v) vst1q_f32(p, v)
+#define VFMA(a, b, c) vfmaq_f32(c, a, b)
+#define VADD(a, b) vaddq_f32(a, b)
+#define VHSUM(v) vaddvq_f32(v)
+/* 4 int8 weights as 4 floats (a 4-byte load: a wider one could read past the row's end) */
+static inline float32x4_t q8x4(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(v)));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+}
+#define VLOADQ(q) q8x4(q)
+#endif
+#include "int8.c" /* this file: its body, for this ISA */
+
+void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                                 const int8_t *q, int64_t ldq, const float *scale, float *y,
+                                 int64_t ldy, int wide) {
+    (void)wide;
+    CAT(gemm, SFX)(M, N, K, x, ldx, q, ldq, scale, y, ldy);
+}
+
+void moeserve_int8_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                             const int64_t *count, int64_t D, int64_t F, const float *x,
+                             const int8_t *q13, const float *s13, const int8_t *q2,
+                             const float *s2, const float *route_w, float *h, float *y,
+                             int wide) {
+    (void)wide;
+    CAT(moe, SFX)(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
+}
+
+/* moeserve_int8_dequant of the x86 body, 4 lanes at a time */
+void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
+                           const float *scale, float *out, int64_t ldo) {
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qn = q + n * ldq;
+        float *on = out + n * ldo;
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4) {
+            int32_t v;
+            memcpy(&v, qn + k, 4);
+            const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(v)));
+            vst1q_f32(on + k, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), scale[n]));
+        }
+        for (; k < K; k++) on[k] = (float)qn[k] * scale[n];
+    }
+}
+#endif
+
 #else /* INT8_BODY: the kernels for one ISA, named with the suffix SFX */
 
 /* rows 0..mb-1 of x against int8 weight rows q0 and q1 (q1 == q0 when !two), converting in
@@ -185,8 +267,8 @@ static inline __attribute__((always_inline)) void CAT(dot_block_q, SFX)(
     }
     int64_t k = 0;
     for (; k + 4 * W <= K; k += 4 * W) {
-        _mm_prefetch((const char *)(q0 + k + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(q1 + k + PREFETCH), _MM_HINT_T0);
+        PREFETCH_T0(q0 + k + PREFETCH);
+        PREFETCH_T0(q1 + k + PREFETCH);
 #pragma GCC unroll 4
         for (int s = 0; s < 4; s++) {
             const int u = s & (U - 1);
@@ -291,7 +373,7 @@ static void CAT(panel_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t l
         for (int64_t r = 0; r < rows; r++) {
             const int8_t *qr = q + r * ldq + k0;
             for (int64_t k = 0; k < kv; k += W) {
-                if (k % 64 == 0) _mm_prefetch((const char *)(qr + k + PREFETCH), _MM_HINT_T0);
+                if (k % 64 == 0) PREFETCH_T0(qr + k + PREFETCH);
                 VSTORE(buf[r] + k, VLOADQ(qr + k));
             }
         }

@@ -52,6 +52,11 @@ def test_compile_flags_per_machine():
     assert build.compile_flags("x86_64", frozenset({"sse4_2"})) is None  # no AVX2: torch
     arm = build.compile_flags("aarch64", frozenset(GRAVITON3.split()))
     assert arm is not None and "-march=armv8.2-a+dotprod+i8mm+bf16+sve" in arm
+    assert not any(f.startswith("-msve-vector-bits") for f in arm)  # length unknown: NEON
+    sve = build.compile_flags("aarch64", frozenset(GRAVITON3.split()), sve_bits=256)
+    assert "-msve-vector-bits=256" in sve
+    kunpeng = build.compile_flags("aarch64", frozenset(KUNPENG_920.split()), sve_bits=256)
+    assert not any(f.startswith("-msve-vector-bits") for f in kunpeng)  # no SVE reported
     assert build.compile_flags("aarch64", frozenset({"fp"})) is None  # no NEON
     assert build.compile_flags("riscv64", frozenset()) is None
 
@@ -62,7 +67,7 @@ def test_on_aarch64_a_source_without_an_arm_body_is_not_built(monkeypatch):
     monkeypatch.setattr(build, "_compile", lambda *a: pytest.fail("compiled an x86 source"))
     build.load.cache_clear()
     try:
-        assert build.load(CPU_DIR / "fp32.c") is None
+        assert build.load(CPU_DIR / "int4.c") is None
     finally:
         build.load.cache_clear()
 
@@ -78,9 +83,10 @@ CROSS_CC = shutil.which("aarch64-linux-gnu-gcc")
 
 @pytest.mark.skipif(CROSS_CC is None, reason="no aarch64 cross compiler (gcc-aarch64-linux-gnu)")
 @pytest.mark.parametrize("features", [CORTEX_A72, KUNPENG_920, GRAVITON3])
-def test_the_portable_sources_cross_compile_with_each_march(features, tmp_path):
-    flags = build.compile_flags("aarch64", frozenset(features.split()))
-    for name in sorted(build.PORTABLE):
+@pytest.mark.parametrize("sve_bits", [None, 512])
+def test_the_arm_sources_cross_compile_with_each_march(features, sve_bits, tmp_path):
+    flags = build.compile_flags("aarch64", frozenset(features.split()), sve_bits)
+    for name in sorted(build.ARM_SOURCES):
         out = tmp_path / f"{name}.so"
         cmd = [CROSS_CC, *flags, str(CPU_DIR / name), "-o", str(out), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -16,11 +16,29 @@ pytestmark = pytest.mark.skipif(
 )
 # both variants of every GEMM where this CPU runs them (AVX2 always, AVX-512F if present)
 ISAS = [False, True] if fp32_kernels.available() and fp32_kernels.wide() else [False]
+# the cases, shared with the aarch64 bodies' tests (test_arm_fp32.py)
+GEMM_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 25, 33, 64, 70, 130]
+GEMM_SHAPES = [(64, 32), (33, 17), (130, 1001), (7, 8), (1, 3), (9, 72)]
+MOE_SHAPES = [(1, 40, 24), (5, 40, 24), (30, 40, 24), (100, 37, 21)]
+HEAD_SHAPES = [(1, 40), (3, 40), (8, 40), (13, 40), (64, 40), (13, 128)]
+ROUTING_CASES = [(8, 4, True), (1, 1, False), (4, 4, True)]
+
+
+def moe_case(T: int, D: int, Fd: int):
+    """test_moe_kernel_matches_reference's inputs: ``(x, w13, w2, w, ids)`` of T tokens
+    routed to 2 of 8 experts."""
+    g = torch.Generator().manual_seed(T)
+    E, K = 8, 2
+    x = torch.randn(T, D, generator=g)
+    w13, w2 = torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    return x, w13, w2, w, ids
 
 
 @pytest.mark.parametrize("avx512", ISAS)
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 25, 33, 64, 70, 130])
-@pytest.mark.parametrize("N,K", [(64, 32), (33, 17), (130, 1001), (7, 8), (1, 3), (9, 72)])
+@pytest.mark.parametrize("M", GEMM_ROWS)
+@pytest.mark.parametrize("N,K", GEMM_SHAPES)
 def test_matches_linear(M, N, K, avx512):
     """Odd N and N % 4 != 0 (AVX-512 takes quads of weight rows), K not a multiple of 8, 16
     or 64, M on both sides of a block (6 rows; 12 for AVX-512's pairs), of the AVX-512 pairs'
@@ -59,17 +77,13 @@ def test_dispatch_falls_back_where_the_kernel_does_not_apply():
 
 
 @pytest.mark.parametrize("avx512", ISAS)
-@pytest.mark.parametrize("T,D,Fd", [(1, 40, 24), (5, 40, 24), (30, 40, 24), (100, 37, 21)])
+@pytest.mark.parametrize("T,D,Fd", MOE_SHAPES)
 def test_moe_kernel_matches_reference(T, D, Fd, avx512):
     """Groups of 1 to ~35 rows (past a 12-row block); D odd and F odd in the last case."""
     from moeserve.ops.moe import moe_grouped, moe_reference
 
-    g = torch.Generator().manual_seed(T)
-    E, K = 8, 2
-    x = torch.randn(T, D, generator=g)
-    w13, w2 = torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
+    x, w13, w2, w, ids = moe_case(T, D, Fd)
+    E, K = w13.shape[0], ids.shape[1]
     ref = moe_reference(x, w13, w2, w, ids)
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
@@ -157,7 +171,7 @@ def test_moe_kernel_splits_groups_past_max_rows(avx512, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("n_group,topk_group,norm", [(8, 4, True), (1, 1, False), (4, 4, True)])
+@pytest.mark.parametrize("n_group,topk_group,norm", ROUTING_CASES)
 def test_routing_kernel_matches_reference(n_group, topk_group, norm):
     from moeserve.ops.routing import route_grouped_sigmoid
 
@@ -183,7 +197,7 @@ def test_rms_norm_kernel_matches_reference():
 
 
 @pytest.mark.parametrize("avx512", ISAS)
-@pytest.mark.parametrize("M,K", [(1, 40), (3, 40), (8, 40), (13, 40), (64, 40), (13, 128)])
+@pytest.mark.parametrize("M,K", HEAD_SHAPES)
 def test_head_gemm_matches_bmm(M, K, avx512):
     """Per-head GEMMs as MLA's absorbed decode calls them: head-major views of batch-major
     tensors in, a batch-major output written through a transposed view."""

@@ -17,6 +17,10 @@ needs_kernels = pytest.mark.skipif(
 )
 # both variants of every kernel where this CPU runs them (AVX2 always, AVX-512F if present)
 ISAS = [False, True] if int8.available() and int8.wide() else [False]
+# the cases, shared with the aarch64 bodies' tests (test_arm_int8.py)
+GEMM_ROWS = [1, 2, 3, 4, 5, 6, 7, 12, 13, 33, 64]
+GEMM_SHAPES = [(64, 32), (33, 17), (130, 1001), (7, 8), (1, 3), (5, 2100)]
+MOE_TOKENS = [1, 5, 30, 200]
 
 
 def rows(N: int, K: int, seed: int) -> Int8Tensor:
@@ -30,8 +34,8 @@ def ref(x: torch.Tensor, w: Int8Tensor) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("avx512", ISAS)
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 12, 13, 33, 64])
-@pytest.mark.parametrize("N,K", [(64, 32), (33, 17), (130, 1001), (7, 8), (1, 3), (5, 2100)])
+@pytest.mark.parametrize("M", GEMM_ROWS)
+@pytest.mark.parametrize("N,K", GEMM_SHAPES)
 def test_gemm_matches_reference(M, N, K, avx512):
     """K not a multiple of 8, 16 or 64, odd N, K past one converted chunk (2048), M on both
     sides of a block (6 rows for AVX2, 12 for AVX-512)."""
@@ -116,7 +120,7 @@ def _sorted_inputs(T: int, E: int, K: int, D: int, seed: int):
     return x, ids, w
 
 
-@pytest.mark.parametrize("T", [1, 5, 30, 200])
+@pytest.mark.parametrize("T", MOE_TOKENS)
 def test_moe_matches_references(T):
     """The one-call MoE kernel (any number of rows per expert: 200 tokens give ~50), against
     the int8 reference and the fp32 oracle on the dequantized weights."""

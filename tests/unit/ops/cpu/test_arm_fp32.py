@@ -1,0 +1,113 @@
+"""ops/cpu/fp32.c's aarch64 bodies (NEON, and SVE at two vector lengths) built and run under
+qemu (tests/arm/qemu.py), on test_fp32.py's cases, against the same references and bounds:
+the few-row GEMM (``F.linear``), the one-call MoE (``moe_reference``), the per-head GEMM
+(``torch.bmm``), RMSNorm and routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.ops.moe import moe_reference
+from moeserve.ops.routing import route_grouped_sigmoid
+from tests.arm import qemu
+from tests.unit.ops.cpu.test_fp32 import (
+    GEMM_ROWS,
+    GEMM_SHAPES,
+    HEAD_SHAPES,
+    MOE_SHAPES,
+    ROUTING_CASES,
+    moe_case,
+)
+
+pytestmark = pytest.mark.skipif(qemu.MISSING is not None, reason=qemu.MISSING or "")
+
+
+@pytest.fixture(scope="module", params=sorted(qemu.CPUS))
+def driver(request, tmp_path_factory):
+    cpu = request.param
+    return cpu, qemu.build_driver("fp32", cpu, tmp_path_factory.mktemp("arm"))
+
+
+def _dims(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def test_gemm_matches_linear_on_arm(driver):
+    """Every row count and shape of test_matches_linear (odd N, K off every vector width, M
+    across the 12-row blocks), one emulated process per shape."""
+    cpu, binary = driver
+    for N, K in GEMM_SHAPES:
+        for M in GEMM_ROWS:
+            g = torch.Generator().manual_seed(M * 1000 + N + K)
+            x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+            (y,) = qemu.run(binary, cpu, [_dims(0, M, N, K), x.numpy(), w.numpy()])
+            got = torch.from_numpy(y).view(M, N)
+            torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,D,Fd", MOE_SHAPES)
+def test_moe_matches_reference_on_arm(driver, T, D, Fd):
+    cpu, binary = driver
+    x, w13, w2, w, ids = moe_case(T, D, Fd)
+    E, K = w13.shape[0], ids.shape[1]
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts_E = torch.bincount(flat, minlength=E).tolist()
+    experts = [e for e in range(E) if counts_E[e]]
+    counts = [counts_E[e] for e in experts]
+    starts = np.cumsum([0, *counts[:-1]])
+    arrays = [
+        _dims(1, len(experts), D, Fd),
+        np.array(experts, dtype=np.int64),
+        starts.astype(np.int64),
+        np.array(counts, dtype=np.int64),
+        x[order // K].numpy(),
+        w13.numpy(),
+        w2.numpy(),
+        w.reshape(-1)[order].numpy(),
+    ]
+    (y,) = qemu.run(binary, cpu, arrays)
+    got = torch.zeros_like(x).index_add_(0, order // K, torch.from_numpy(y).view(-1, D))
+    ref = moe_reference(x, w13, w2, w, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_head_gemm_matches_bmm_on_arm(driver):
+    cpu, binary = driver
+    for M, K in HEAD_SHAPES:
+        g = torch.Generator().manual_seed(M)
+        H, N = 5, 33
+        x, w = torch.randn(H, M, K, generator=g), torch.randn(H, N, K, generator=g)
+        (y,) = qemu.run(binary, cpu, [_dims(2, H, M, N, K), x.numpy(), w.numpy()])
+        want = torch.bmm(x, w.transpose(1, 2))
+        torch.testing.assert_close(torch.from_numpy(y).view(H, M, N), want, rtol=1e-5, atol=1e-4)
+
+
+def test_rms_norm_matches_reference_on_arm(driver):
+    cpu, binary = driver
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 1003, generator=g), torch.randn(1003, generator=g)
+    eps = np.array([1e-6], dtype=np.float32)
+    (y,) = qemu.run(binary, cpu, [_dims(3, 6, 1003), x.numpy(), w.numpy(), eps])
+    want = F.rms_norm(x, (1003,), w, 1e-6)
+    torch.testing.assert_close(torch.from_numpy(y).view(6, 1003), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_group,topk_group,norm", ROUTING_CASES)
+def test_routing_matches_reference_on_arm(driver, n_group, topk_group, norm):
+    cpu, binary = driver
+    g = torch.Generator().manual_seed(n_group)
+    logits, bias = torch.randn(16, 64, generator=g), torch.randn(64, generator=g) * 0.1
+    dims = _dims(4, 16, 64, n_group, topk_group, 6, int(norm), -1)
+    scale = np.array([2.5], dtype=np.float32)
+    ids, weights, counts = qemu.run(binary, cpu, [dims, logits.numpy(), bias.numpy(), scale])
+    got_ids, got_w = torch.from_numpy(ids).view(16, 6), torch.from_numpy(weights).view(16, 6)
+    ref_w, ref_ids = route_grouped_sigmoid(logits, bias, 6, n_group, topk_group, norm, 2.5)
+    got_sorted, got_order = got_ids.sort(dim=1)
+    ref_sorted, ref_order = ref_ids.sort(dim=1)
+    assert torch.equal(got_sorted, ref_sorted)
+    torch.testing.assert_close(got_w.gather(1, got_order), ref_w.gather(1, ref_order))
+    assert torch.equal(torch.from_numpy(counts), torch.bincount(ref_ids.reshape(-1), minlength=64))

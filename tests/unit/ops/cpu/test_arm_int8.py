@@ -1,0 +1,91 @@
+"""ops/cpu/int8.c's aarch64 bodies (NEON, and SVE at two vector lengths) built and run under
+qemu (tests/arm/qemu.py), on test_int8.py's cases, against the same references and bounds:
+the weight-only few-row GEMM (``linear_int8_ref``), the one-call MoE (``moe_int8_ref``) and
+the dequantization that prefill hands to BLAS."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeserve.ops.cpu import int8
+from moeserve.quant.int8 import Int8Weight
+from tests.arm import qemu
+from tests.unit.ops.cpu.test_int8 import (
+    GEMM_ROWS,
+    GEMM_SHAPES,
+    MOE_TOKENS,
+    _sorted_inputs,
+    ref,
+    rows,
+)
+
+pytestmark = pytest.mark.skipif(qemu.MISSING is not None, reason=qemu.MISSING or "")
+
+
+@pytest.fixture(scope="module", params=sorted(qemu.CPUS))
+def driver(request, tmp_path_factory):
+    cpu = request.param
+    return cpu, qemu.build_driver("int8", cpu, tmp_path_factory.mktemp("arm"))
+
+
+def _dims(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def _q(t: torch.Tensor) -> np.ndarray:
+    """int8 codes as the driver reads them (int64)."""
+    return t.to(torch.int64).numpy().reshape(-1)
+
+
+def test_gemm_matches_reference_on_arm(driver):
+    """Every row count and shape of test_gemm_matches_reference (K off every vector width and
+    past one converted chunk, odd N, M across the 12-row blocks)."""
+    cpu, binary = driver
+    for N, K in GEMM_SHAPES:
+        for M in GEMM_ROWS:
+            w = rows(N, K, M * 1000 + N + K)
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+            arrays = [_dims(0, M, N, K), x.numpy(), _q(w.q), w.scale.numpy()]
+            (y,) = qemu.run(binary, cpu, arrays)
+            got = torch.from_numpy(y).view(M, N)
+            torch.testing.assert_close(got, ref(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", MOE_TOKENS)
+def test_moe_matches_reference_on_arm(driver, T):
+    cpu, binary = driver
+    E, D, Fd, K = 8, 40, 24, 2
+    w13, w2 = Int8Weight((E, 2 * Fd, D)), Int8Weight((E, D, Fd))
+    w13.copy_(torch.randn(E, 2 * Fd, D))
+    w2.copy_(torch.randn(E, D, Fd))
+    x, ids, w = _sorted_inputs(T, E, K, D, T)
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts_E = torch.bincount(flat, minlength=E).tolist()
+    experts = [e for e in range(E) if counts_E[e]]
+    counts = [counts_E[e] for e in experts]
+    x_RD, weight_R = x[order // K], w.reshape(-1)[order]
+    arrays = [
+        _dims(1, len(experts), D, Fd),
+        np.array(experts, dtype=np.int64),
+        np.cumsum([0, *counts[:-1]]).astype(np.int64),
+        np.array(counts, dtype=np.int64),
+        x_RD.numpy(),
+        _q(w13.data.q),
+        w13.data.scale.numpy(),
+        _q(w2.data.q),
+        w2.data.scale.numpy(),
+        weight_R.numpy(),
+    ]
+    (y,) = qemu.run(binary, cpu, arrays)
+    want = int8.moe_int8_ref(x_RD, experts, counts, w13.data, w2.data, weight_R)
+    torch.testing.assert_close(torch.from_numpy(y).view(-1, D), want, rtol=1e-4, atol=1e-3)
+
+
+def test_dequant_matches_on_arm(driver):
+    cpu, binary = driver
+    w = rows(9, 1003, 7)
+    (out,) = qemu.run(binary, cpu, [_dims(2, 9, 1003), _q(w.q), w.scale.numpy()])
+    assert torch.equal(torch.from_numpy(out).view(9, 1003), w.dequantize())
