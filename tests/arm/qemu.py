@@ -44,7 +44,7 @@ CPUS = {
     "sve256": ("max,sve-max-vq=2", "fp asimd asimddp i8mm bf16 sve", 256),
     "sve512": ("max,sve-max-vq=4", "fp asimd asimddp i8mm bf16 sve", 512),
 }
-_TYPES = {np.dtype(np.float32): 0, np.dtype(np.int64): 1}
+_TYPES = {np.dtype(t): code for code, t in enumerate((np.float32, np.int64, np.uint16, np.int32))}
 _DTYPES = {code: dtype for dtype, code in _TYPES.items()}
 
 
@@ -65,8 +65,8 @@ def build_driver(kernel: str, cpu: str, out_dir: Path) -> Path:
 
 
 def run(binary: Path, cpu: str, arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """Run ``binary`` under qemu as ``cpu`` with ``arrays`` (float32 or int64) on stdin;
-    return the arrays it wrote."""
+    """Run ``binary`` under qemu as ``cpu`` with ``arrays`` (float32, int64, uint16 or int32)
+    on stdin; return the arrays it wrote."""
     blob = b"".join(
         struct.pack("<iq", _TYPES[a.dtype], a.size) + np.ascontiguousarray(a).tobytes()
         for a in arrays
@@ -84,3 +84,34 @@ def run(binary: Path, cpu: str, arrays: list[np.ndarray]) -> list[np.ndarray]:
         out.append(np.frombuffer(view[at : at + n * dtype.itemsize], dtype=dtype).copy())
         at += n * dtype.itemsize
     return out
+
+
+def dims(*values: int) -> np.ndarray:
+    """Sizes (and a driver's kernel choice) as the int64 array the drivers read first."""
+    return np.array(values, dtype=np.int64)
+
+
+def driver_fixture(kernel: str):
+    """A module-scoped pytest fixture giving ``(cpu, binary)`` of ``kernel``'s driver built
+    for each of :data:`CPUS` in turn."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=sorted(CPUS))
+    def driver(request, tmp_path_factory):
+        cpu = request.param
+        return cpu, build_driver(kernel, cpu, tmp_path_factory.mktemp("arm"))
+
+    return driver
+
+
+def span(t):
+    """A 1-D view of the memory ``t`` (a torch tensor, any strides) spans, from its first
+    element to its last: what a kernel given its data pointer and strides reads or writes."""
+    import torch
+
+    n = (
+        1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        if t.numel()
+        else 0
+    )
+    return torch.as_strided(t, (n,), (1,), t.storage_offset())

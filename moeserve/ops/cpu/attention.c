@@ -26,8 +26,11 @@
  * The query comes in two parts (q1 = the first D1 dims, q2 the rest; for MLA q_lat and q_pe)
  * with their own batch/head strides, so the caller needs no torch.cat; the output's batch and
  * head strides are free too (MLA writes [H, B, C] for the W_UV bmm that follows).
+ *
+ * The vector helpers (scores, values, the softmax's max and exponentials, the bf16 widening)
+ * exist for AVX2+FMA and for aarch64's NEON; the tiles, the splits and the merge around them
+ * are plain C.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -56,6 +59,7 @@ typedef struct {
     int64_t out_sb, out_sh;
 } Params;
 
+#if defined(__x86_64__)
 static inline float hsum(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -146,8 +150,140 @@ static inline void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
     }
 }
 
+/* the largest of mx and sh[0 .. nt) */
+static inline float row_max(const float *sh, int64_t nt, float mx) {
+    int64_t t = 0;
+    if (nt >= 8) {
+        __m256 vm = _mm256_loadu_ps(sh);
+        for (t = 8; t + 8 <= nt; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sh + t));
+        __m128 x = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+        x = _mm_max_ss(x, _mm_movehdup_ps(x));
+        mx = _mm_cvtss_f32(x) > mx ? _mm_cvtss_f32(x) : mx;
+    }
+    for (; t < nt; t++) mx = sh[t] > mx ? sh[t] : mx;
+    return mx;
+}
+
+/* sh[t] = e^(sh[t] - mx) for t < nt (all <= 0); returns their sum */
+static inline float exp_sum(float *sh, int64_t nt, float mx) {
+    float sum = 0.0f;
+    int64_t t = 0;
+    if (nt >= 8) {
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (; t + 8 <= nt; t += 8) {
+            const __m256 e = exp256_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vmx));
+            _mm256_storeu_ps(sh + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        sum = hsum(vsum);
+    }
+    for (; t < nt; t++) {
+        sh[t] = expf(sh[t] - mx);
+        sum += sh[t];
+    }
+    return sum;
+}
+
+#elif defined(__aarch64__)
+/* s[i * TILE + j] = q_i . k_j for heads i < mh <= 4 and tokens j < mt <= 2, as the AVX2
+ * body: missing heads and tokens repeat the first one (computed, not stored). */
+static void score_block(int mh, int mt, int64_t Dk, const float *q, const float *const *key,
+                        float *s) {
+    const float *qs[4] = {q, q + (mh > 1 ? Dk : 0), q + (mh > 2 ? 2 * Dk : 0),
+                          q + (mh > 3 ? 3 * Dk : 0)};
+    const float *k0 = key[0], *k1 = key[mt > 1 ? 1 : 0];
+    float32x4_t a[4][2];
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = vdupq_n_f32(0.0f);
+    int64_t d = 0;
+    for (; d + 4 <= Dk; d += 4) {
+        const float32x4_t x0 = vld1q_f32(k0 + d), x1 = vld1q_f32(k1 + d);
+        for (int i = 0; i < 4; i++) {
+            const float32x4_t w = vld1q_f32(qs[i] + d);
+            a[i][0] = vfmaq_f32(a[i][0], w, x0);
+            a[i][1] = vfmaq_f32(a[i][1], w, x1);
+        }
+    }
+    for (int i = 0; i < mh; i++)
+        for (int j = 0; j < mt; j++) {
+            float v = vaddvq_f32(a[i][j]);
+            for (int64_t t = d; t < Dk; t++) v += qs[i][t] * key[j][t];
+            s[i * TILE + j] = v;
+        }
+}
+
+/* acc[i][c0 .. c0 + 8 * NV) = acc[i] * alpha[i] + sum_t p[i][t] * val_t for heads i < mh <= 4
+ * (8 columns: two NEON vectors); missing heads repeat head 0 and are not stored. */
+static inline __attribute__((always_inline)) void value_block(
+    const int NV, int mh, int64_t nt, int64_t c0, const float *p, const float *alpha,
+    const float *const *val, float *acc, int64_t acc_sh) {
+    float32x4_t a[4][4];
+    const float *pr[4];
+    for (int i = 0; i < 4; i++) {
+        const int ii = i < mh ? i : 0;
+        pr[i] = p + ii * TILE;
+        for (int k = 0; k < 2 * NV; k++)
+            a[i][k] = vmulq_n_f32(vld1q_f32(acc + ii * acc_sh + c0 + 4 * k), alpha[ii]);
+    }
+    for (int64_t t = 0; t < nt; t++) {
+        float32x4_t x[4];
+        for (int k = 0; k < 2 * NV; k++) x[k] = vld1q_f32(val[t] + c0 + 4 * k);
+        for (int i = 0; i < 4; i++)
+            for (int k = 0; k < 2 * NV; k++) a[i][k] = vfmaq_n_f32(a[i][k], x[k], pr[i][t]);
+    }
+    for (int i = 0; i < mh; i++)
+        for (int k = 0; k < 2 * NV; k++) vst1q_f32(acc + i * acc_sh + c0 + 4 * k, a[i][k]);
+}
+
+/* n bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32) */
+static inline void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        vst1q_f32(dst + i, vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(src + i), 16)));
+    for (; i < n; i++) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
+/* the largest of mx and sh[0 .. nt) */
+static inline float row_max(const float *sh, int64_t nt, float mx) {
+    int64_t t = 0;
+    if (nt >= 4) {
+        float32x4_t vm = vld1q_f32(sh);
+        for (t = 4; t + 4 <= nt; t += 4) vm = vmaxq_f32(vm, vld1q_f32(sh + t));
+        const float v = vmaxvq_f32(vm);
+        mx = v > mx ? v : mx;
+    }
+    for (; t < nt; t++) mx = sh[t] > mx ? sh[t] : mx;
+    return mx;
+}
+
+/* sh[t] = e^(sh[t] - mx) for t < nt (all <= 0); returns their sum */
+static inline float exp_sum(float *sh, int64_t nt, float mx) {
+    float sum = 0.0f;
+    int64_t t = 0;
+    if (nt >= 4) {
+        const float32x4_t vmx = vdupq_n_f32(mx);
+        float32x4_t vsum = vdupq_n_f32(0.0f);
+        for (; t + 4 <= nt; t += 4) {
+            const float32x4_t e = exp4_neg(vsubq_f32(vld1q_f32(sh + t), vmx));
+            vst1q_f32(sh + t, e);
+            vsum = vaddq_f32(vsum, e);
+        }
+        sum = vaddvq_f32(vsum);
+    }
+    for (; t < nt; t++) {
+        sh[t] = expf(sh[t] - mx);
+        sum += sh[t];
+    }
+    return sum;
+}
+#endif
+
 static inline void prefetch_span(const float *p, int64_t n) {
-    for (int64_t d = 0; d < n; d += 16) _mm_prefetch((const char *)(p + d), _MM_HINT_T0);
+    for (int64_t d = 0; d < n; d += 16) PREFETCH_T0(p + d);
 }
 
 /* One tile: scores, online-softmax update of (m, l), then the values into acc. The n_next
@@ -174,34 +310,9 @@ static void tile_step(const Params *P, int64_t nt, const float *q, const float *
     float alpha[HMAX];
     for (int64_t h = 0; h < Hg; h++) {
         float *sh = s + h * TILE;
-        float mx = m[h];
-        int64_t t = 0;
-        if (nt >= 8) {
-            __m256 vm = _mm256_loadu_ps(sh);
-            for (t = 8; t + 8 <= nt; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sh + t));
-            __m128 x = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-            x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-            x = _mm_max_ss(x, _mm_movehdup_ps(x));
-            mx = _mm_cvtss_f32(x) > mx ? _mm_cvtss_f32(x) : mx;
-        }
-        for (; t < nt; t++) mx = sh[t] > mx ? sh[t] : mx;
+        const float mx = row_max(sh, nt, m[h]);
         alpha[h] = expf(m[h] - mx); /* 0 on the first tile (m = -inf) */
-        float sum = 0.0f;
-        t = 0;
-        if (nt >= 8) {
-            const __m256 vmx = _mm256_set1_ps(mx);
-            __m256 vsum = _mm256_setzero_ps();
-            for (; t + 8 <= nt; t += 8) {
-                const __m256 e = exp256_neg(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vmx));
-                _mm256_storeu_ps(sh + t, e);
-                vsum = _mm256_add_ps(vsum, e);
-            }
-            sum = hsum(vsum);
-        }
-        for (; t < nt; t++) {
-            sh[t] = expf(sh[t] - mx);
-            sum += sh[t];
-        }
+        const float sum = exp_sum(sh, nt, mx);
         l[h] = l[h] * alpha[h] + sum;
         m[h] = mx;
     }

@@ -86,38 +86,23 @@ def _paged_decode(
     q2 = q1 if q2 is None else q2 if q2.stride(-1) == 1 else q2.contiguous()
     table = block_table_BN.to(torch.int32).contiguous()
     lens = context_lens_B.to(torch.int32).contiguous()
-    rc = _library().moeserve_paged_decode_attention(
-        B,
-        G,
-        H // G,
-        key[2],
-        value[2],
-        D1,
-        q1.data_ptr(),
-        q1.stride(0),
-        q1.stride(1),
-        q2.data_ptr(),
-        q2.stride(0),
-        q2.stride(1),
-        scale,
-        cache.data_ptr(),
-        ld_slot,
-        key[0],
-        key[1],
-        value[0],
-        value[1],
-        table.data_ptr(),
-        table.stride(0),
-        lens.data_ptr(),
-        block_size,
-        out.data_ptr(),
-        out.stride(0),
-        out.stride(1),
-        int(cache.dtype == torch.bfloat16),
-    )
+    rc = _call(
+        (B, G, H // G, key[2], value[2], D1, q1, q1.stride(0), q1.stride(1), q2, q2.stride(0),
+         q2.stride(1), scale, cache, ld_slot, key[0], key[1], value[0], value[1], table,
+         table.stride(0), lens, block_size, out, out.stride(0), out.stride(1),
+         int(cache.dtype == torch.bfloat16))
+    )  # fmt: skip
     if rc != 0:
         raise MemoryError("decode attention: out of memory for its scratch buffers")
     return out
+
+
+def _call(args: tuple) -> int:
+    """``moeserve_paged_decode_attention`` on ``args`` in its order, each tensor passed as its
+    data pointer (``tests/unit/ops/cpu/test_arm_attention.py`` runs them on the aarch64
+    build under emulation instead)."""
+    ptrs = (a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    return _library().moeserve_paged_decode_attention(*ptrs)
 
 
 def mla_decode(

@@ -39,7 +39,7 @@ ARM_MACHINES = ("aarch64", "arm64")  # platform.machine() on Linux and on macOS
 # sources in portable C (no intrinsics), which build for aarch64 as they are
 PORTABLE = frozenset({"bitmask.c", "moe_sort.c", "rope.c"})
 # the sources with an aarch64 body: the portable ones, and those with NEON/SVE inner loops
-ARM_SOURCES = PORTABLE | {"fp32.c", "int8.c"}
+ARM_SOURCES = PORTABLE | {"attention.c", "fp32.c", "int8.c"}
 # aarch64 Features -> GCC -march extension, in the order GCC expects them
 _ARM_EXTENSIONS = (("asimddp", "dotprod"), ("i8mm", "i8mm"), ("bf16", "bf16"), ("sve", "sve"))
 

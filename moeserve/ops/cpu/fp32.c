@@ -213,35 +213,14 @@ void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, con
 }
 
 #elif defined(__aarch64__)
-/* ---- aarch64: NEON (4 lanes), or SVE where the build fixed its vector length
- * (-msve-vector-bits: ops/cpu/build.py reads the CPU's); pairs of weight rows against blocks
- * of 12 token rows (24 accumulators + 3 of 32 registers), the AVX-512 pairs' shape. One body
- * per build: the SVE one where it was compiled, else NEON's (`wide` is x86's choice). ---- */
+/* ---- aarch64: NEON (4 lanes), or SVE where the build fixed its vector length (arm_vec.h);
+ * pairs of weight rows against blocks of 12 token rows (24 accumulators + 3 of 32
+ * registers), the AVX-512 pairs' shape. One body per build: the SVE one where it was
+ * compiled, else NEON's (`wide` is x86's choice). ---- */
 #define FP32_BODY
 #define MB 12
 #define NJ 2
-#if defined(__ARM_FEATURE_SVE_BITS) && __ARM_FEATURE_SVE_BITS > 0
-#include <arm_sve.h>
-#define W (__ARM_FEATURE_SVE_BITS / 32)
-#define SFX _sve
-typedef svfloat32_t vf_sve __attribute__((arm_sve_vector_bits(__ARM_FEATURE_SVE_BITS)));
-#define VF vf_sve
-#define VZERO() svdup_n_f32(0.0f)
-#define VLOADU(p) svld1_f32(svptrue_b32(), p)
-#define VFMA(a, b, c) svmla_f32_x(svptrue_b32(), c, a, b)
-#define VADD(a, b) svadd_f32_x(svptrue_b32(), a, b)
-#define VHSUM(v) svaddv_f32(svptrue_b32(), v)
-#else
-#define W 4
-#define SFX _neon
-typedef float32x4_t vf_neon;
-#define VF vf_neon
-#define VZERO() vdupq_n_f32(0.0f)
-#define VLOADU(p) vld1q_f32(p)
-#define VFMA(a, b, c) vfmaq_f32(c, a, b)
-#define VADD(a, b) vaddq_f32(a, b)
-#define VHSUM(v) vaddvq_f32(v)
-#endif
+#include "arm_vec.h"
 #define PAIR_ROWS_FEW CAT(pair_rows, SFX)
 #include "fp32.c" /* this file: its body, for this ISA */
 

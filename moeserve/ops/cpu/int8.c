@@ -26,7 +26,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "common.h"
 
@@ -168,48 +167,13 @@ void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
 }
 
 #elif defined(__aarch64__)
-/* ---- aarch64: NEON (4 lanes), or SVE at the build's fixed vector length (fp32.c says why);
+/* ---- aarch64: NEON (4 lanes), or SVE at the build's fixed vector length (arm_vec.h);
  * 12 rows converted in registers (24 accumulators of 32 registers), 6 over a converted
  * chunk, the AVX-512 body's shape. One body per build; `wide` is x86's choice. ---- */
 #define INT8_BODY
 #define MBQ 12
 #define MBF 6
-#if defined(__ARM_FEATURE_SVE_BITS) && __ARM_FEATURE_SVE_BITS > 0
-#include <arm_sve.h>
-#define W (__ARM_FEATURE_SVE_BITS / 32)
-#define SFX _sve
-typedef svfloat32_t vf_sve __attribute__((arm_sve_vector_bits(__ARM_FEATURE_SVE_BITS)));
-#define VF vf_sve
-#define VZERO() svdup_n_f32(0.0f)
-#define VLOADU(p) svld1_f32(svptrue_b32(), p)
-#define VLOAD(p) svld1_f32(svptrue_b32(), p)
-#define VSTORE(p, v) svst1_f32(svptrue_b32(), p, v)
-#define VFMA(a, b, c) svmla_f32_x(svptrue_b32(), c, a, b)
-#define VADD(a, b) svadd_f32_x(svptrue_b32(), a, b)
-#define VHSUM(v) svaddv_f32(svptrue_b32(), v)
-/* W int8 weights, sign-extended as they load, as W floats */
-#define VLOADQ(q) svcvt_f32_s32_x(svptrue_b32(), svld1sb_s32(svptrue_b32(), q))
-#else
-#define W 4
-#define SFX _neon
-typedef float32x4_t vf_neon;
-#define VF vf_neon
-#define VZERO() vdupq_n_f32(0.0f)
-#define VLOADU(p) vld1q_f32(p)
-#define VLOAD(p) vld1q_f32(p)
-#define VSTORE(p, v) vst1q_f32(p, v)
-#define VFMA(a, b, c) vfmaq_f32(c, a, b)
-#define VADD(a, b) vaddq_f32(a, b)
-#define VHSUM(v) vaddvq_f32(v)
-/* 4 int8 weights as 4 floats (a 4-byte load: a wider one could read past the row's end) */
-static inline float32x4_t q8x4(const int8_t *q) {
-    int32_t v;
-    memcpy(&v, q, 4);
-    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(v)));
-    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
-}
-#define VLOADQ(q) q8x4(q)
-#endif
+#include "arm_vec.h"
 #include "int8.c" /* this file: its body, for this ISA */
 
 void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
@@ -236,12 +200,7 @@ void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
         const int8_t *qn = q + n * ldq;
         float *on = out + n * ldo;
         int64_t k = 0;
-        for (; k + 4 <= K; k += 4) {
-            int32_t v;
-            memcpy(&v, qn + k, 4);
-            const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(v)));
-            vst1q_f32(on + k, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), scale[n]));
-        }
+        for (; k + 4 <= K; k += 4) vst1q_f32(on + k, vmulq_n_f32(q8x4(qn + k), scale[n]));
         for (; k < K; k++) on[k] = (float)qn[k] * scale[n];
     }
 }

@@ -25,14 +25,7 @@ from tests.unit.ops.cpu.test_fp32 import (
 pytestmark = pytest.mark.skipif(qemu.MISSING is not None, reason=qemu.MISSING or "")
 
 
-@pytest.fixture(scope="module", params=sorted(qemu.CPUS))
-def driver(request, tmp_path_factory):
-    cpu = request.param
-    return cpu, qemu.build_driver("fp32", cpu, tmp_path_factory.mktemp("arm"))
-
-
-def _dims(*values: int) -> np.ndarray:
-    return np.array(values, dtype=np.int64)
+driver = qemu.driver_fixture("fp32")
 
 
 def test_gemm_matches_linear_on_arm(driver):
@@ -43,7 +36,7 @@ def test_gemm_matches_linear_on_arm(driver):
         for M in GEMM_ROWS:
             g = torch.Generator().manual_seed(M * 1000 + N + K)
             x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-            (y,) = qemu.run(binary, cpu, [_dims(0, M, N, K), x.numpy(), w.numpy()])
+            (y,) = qemu.run(binary, cpu, [qemu.dims(0, M, N, K), x.numpy(), w.numpy()])
             got = torch.from_numpy(y).view(M, N)
             torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
@@ -60,7 +53,7 @@ def test_moe_matches_reference_on_arm(driver, T, D, Fd):
     counts = [counts_E[e] for e in experts]
     starts = np.cumsum([0, *counts[:-1]])
     arrays = [
-        _dims(1, len(experts), D, Fd),
+        qemu.dims(1, len(experts), D, Fd),
         np.array(experts, dtype=np.int64),
         starts.astype(np.int64),
         np.array(counts, dtype=np.int64),
@@ -81,7 +74,7 @@ def test_head_gemm_matches_bmm_on_arm(driver):
         g = torch.Generator().manual_seed(M)
         H, N = 5, 33
         x, w = torch.randn(H, M, K, generator=g), torch.randn(H, N, K, generator=g)
-        (y,) = qemu.run(binary, cpu, [_dims(2, H, M, N, K), x.numpy(), w.numpy()])
+        (y,) = qemu.run(binary, cpu, [qemu.dims(2, H, M, N, K), x.numpy(), w.numpy()])
         want = torch.bmm(x, w.transpose(1, 2))
         torch.testing.assert_close(torch.from_numpy(y).view(H, M, N), want, rtol=1e-5, atol=1e-4)
 
@@ -91,7 +84,7 @@ def test_rms_norm_matches_reference_on_arm(driver):
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 1003, generator=g), torch.randn(1003, generator=g)
     eps = np.array([1e-6], dtype=np.float32)
-    (y,) = qemu.run(binary, cpu, [_dims(3, 6, 1003), x.numpy(), w.numpy(), eps])
+    (y,) = qemu.run(binary, cpu, [qemu.dims(3, 6, 1003), x.numpy(), w.numpy(), eps])
     want = F.rms_norm(x, (1003,), w, 1e-6)
     torch.testing.assert_close(torch.from_numpy(y).view(6, 1003), want, rtol=1e-5, atol=1e-5)
 
@@ -101,7 +94,7 @@ def test_routing_matches_reference_on_arm(driver, n_group, topk_group, norm):
     cpu, binary = driver
     g = torch.Generator().manual_seed(n_group)
     logits, bias = torch.randn(16, 64, generator=g), torch.randn(64, generator=g) * 0.1
-    dims = _dims(4, 16, 64, n_group, topk_group, 6, int(norm), -1)
+    dims = qemu.dims(4, 16, 64, n_group, topk_group, 6, int(norm), -1)
     scale = np.array([2.5], dtype=np.float32)
     ids, weights, counts = qemu.run(binary, cpu, [dims, logits.numpy(), bias.numpy(), scale])
     got_ids, got_w = torch.from_numpy(ids).view(16, 6), torch.from_numpy(weights).view(16, 6)

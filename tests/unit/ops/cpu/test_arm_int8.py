@@ -24,14 +24,7 @@ from tests.unit.ops.cpu.test_int8 import (
 pytestmark = pytest.mark.skipif(qemu.MISSING is not None, reason=qemu.MISSING or "")
 
 
-@pytest.fixture(scope="module", params=sorted(qemu.CPUS))
-def driver(request, tmp_path_factory):
-    cpu = request.param
-    return cpu, qemu.build_driver("int8", cpu, tmp_path_factory.mktemp("arm"))
-
-
-def _dims(*values: int) -> np.ndarray:
-    return np.array(values, dtype=np.int64)
+driver = qemu.driver_fixture("int8")
 
 
 def _q(t: torch.Tensor) -> np.ndarray:
@@ -47,7 +40,7 @@ def test_gemm_matches_reference_on_arm(driver):
         for M in GEMM_ROWS:
             w = rows(N, K, M * 1000 + N + K)
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-            arrays = [_dims(0, M, N, K), x.numpy(), _q(w.q), w.scale.numpy()]
+            arrays = [qemu.dims(0, M, N, K), x.numpy(), _q(w.q), w.scale.numpy()]
             (y,) = qemu.run(binary, cpu, arrays)
             got = torch.from_numpy(y).view(M, N)
             torch.testing.assert_close(got, ref(x, w), rtol=1e-5, atol=1e-4)
@@ -68,7 +61,7 @@ def test_moe_matches_reference_on_arm(driver, T):
     counts = [counts_E[e] for e in experts]
     x_RD, weight_R = x[order // K], w.reshape(-1)[order]
     arrays = [
-        _dims(1, len(experts), D, Fd),
+        qemu.dims(1, len(experts), D, Fd),
         np.array(experts, dtype=np.int64),
         np.cumsum([0, *counts[:-1]]).astype(np.int64),
         np.array(counts, dtype=np.int64),
@@ -87,5 +80,5 @@ def test_moe_matches_reference_on_arm(driver, T):
 def test_dequant_matches_on_arm(driver):
     cpu, binary = driver
     w = rows(9, 1003, 7)
-    (out,) = qemu.run(binary, cpu, [_dims(2, 9, 1003), _q(w.q), w.scale.numpy()])
+    (out,) = qemu.run(binary, cpu, [qemu.dims(2, 9, 1003), _q(w.q), w.scale.numpy()])
     assert torch.equal(torch.from_numpy(out).view(9, 1003), w.dequantize())
