@@ -16,10 +16,11 @@ AMX state, when the source cannot be built, or with ``MOESERVE_CPU_KERNELS=0`` /
 
 Which runs (:func:`route`): a tile product streams each weight once per 16 token rows but
 multiplies 16 rows whatever their number, so below :data:`FEW_ROWS` rows (a projection's, or
-an MoE call's largest expert's) int4's integer dots run instead, with ``INT8_ROWS``: each row
-rounded to its int8 grid first (``xi = 257 xq``, exact in their 16-bit form), the same
-integer sums. They also run where the tiles do not (a CPU without AMX-INT8, or a weight whose
-shape the tiles do not take), for any rows they take (AVX2: any; VNNI: fewer than 256).
+an MoE call's rows an expert on average: :func:`moe_route`) int4's integer dots run instead,
+with ``INT8_ROWS``: each row rounded to its int8 grid first (``xi = 257 xq``, exact in their
+16-bit form), the same integer sums. They also run where the tiles do not (a CPU without
+AMX-INT8, or a weight whose shape the tiles do not take), for any rows they take (AVX2: any;
+VNNI: fewer than 256).
 Elsewhere :func:`route` is None and the format rounds the rows in torch
 (``int8_amx.fake_quant``) before int4's weight-only paths.
 """
@@ -146,8 +147,8 @@ def tiles_take(w: Int4Tensor) -> bool:
 
 
 def route(rows: int, w: Int4Tensor) -> str | None:
-    """Which kernel computes ``rows`` token rows (an MoE call: its largest expert's) times
-    ``w``: :data:`DOTS` below :data:`FEW_ROWS` rows or where the tiles do not run, else
+    """Which kernel computes ``rows`` token rows times ``w`` (an MoE call: :func:`moe_route`):
+    :data:`DOTS` below :data:`FEW_ROWS` rows or where the tiles do not run, else
     :data:`TILES`; None where neither takes them."""
     tiles = tiles_take(w)
     dots = weight_ok(w) and _dots_level(rows) is not None

@@ -175,11 +175,22 @@ void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
 #define MBF 6
 #include "arm_vec.h"
 #include "int8.c" /* this file: its body, for this ISA */
+#if defined(__ARM_FEATURE_DOTPROD)
+#include "int8_sdot.h"
+/* token rows up to which the dot products run (a GEMM's; an MoE call's largest expert's):
+ * the converted-chunk form shares each conversion among more rows */
+#define SDOT_MAX_ROWS 12
+#endif
 
+/* On a CPU with the dot product (SDOT), up to SDOT_MAX_ROWS rows take int8_sdot.h: the rows
+ * rounded to 16-bit fixed point (where its scratch cannot be had, the fp32 form runs) */
 void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                                  const int8_t *q, int64_t ldq, const float *scale, float *y,
                                  int64_t ldy, int wide) {
     (void)wide;
+#if defined(__ARM_FEATURE_DOTPROD)
+    if (M <= SDOT_MAX_ROWS && !gemm_sdot(M, N, K, x, ldx, q, ldq, scale, y, ldy)) return;
+#endif
     CAT(gemm, SFX)(M, N, K, x, ldx, q, ldq, scale, y, ldy);
 }
 
@@ -189,6 +200,13 @@ void moeserve_int8_moe_small(int64_t n_groups, const int64_t *expert, const int6
                              const float *s2, const float *route_w, float *h, float *y,
                              int wide) {
     (void)wide;
+#if defined(__ARM_FEATURE_DOTPROD)
+    int64_t most = 0;
+    for (int64_t g = 0; g < n_groups; g++) most = count[g] > most ? count[g] : most;
+    if (most <= SDOT_MAX_ROWS && !moe_sdot(n_groups, expert, start, count, D, F, x, q13, s13,
+                                           q2, s2, route_w, h, y))
+        return;
+#endif
     CAT(moe, SFX)(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
 }
 

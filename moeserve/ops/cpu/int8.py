@@ -6,7 +6,10 @@ fp32); activations and outputs are fp32. The GEMM takes at most ``MAX_ROWS`` tok
 ``ops/cpu/build.py`` compiles and loads the source, and when that is not possible
 :func:`available` is False and callers use the references. Each kernel exists for AVX2+FMA
 and for AVX-512F; :func:`wide` picks AVX-512F where the CPU has it (``MOESERVE_CPU_AVX512=0``
-keeps AVX2).
+keeps AVX2). On aarch64 one body per build (NEON, or SVE at the CPU's vector length), and
+where the CPU has the dot product (``asimddp``) calls of up to :data:`SDOT_MAX_ROWS` rows (an
+MoE call's: its largest expert's) run on SDOT with each row rounded to 16-bit fixed point,
+``int4.round_rows_ref``'s rounding (``int8_sdot.h``; tests/unit/ops/cpu/test_arm_int8.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from moeserve.quant.int8 import Int8Tensor
 
 _SOURCE = Path(__file__).with_name("int8.c")
 MAX_ROWS = 64
+SDOT_MAX_ROWS = 12  # int8.c, aarch64 with the dot product: rows the SDOT form takes
 # In one MoE call, an expert with at least this many rows is dequantized and runs as two MKL
 # GEMMs instead of in the kernel (fp32.MKL_MIN_ROWS is the fp32 twin). With the AVX2
 # kernel (benchmarks/moe_prefill.py --format int8 with MKL limited to AVX2 too) from 64 rows:

@@ -1,7 +1,10 @@
 """ops/cpu/int8.c's aarch64 bodies (NEON, and SVE at two vector lengths) built and run under
 qemu (tests/arm/qemu.py), on test_int8.py's cases, against the same references and bounds:
 the weight-only few-row GEMM (``linear_int8_ref``), the one-call MoE (``moe_int8_ref``) and
-the dequantization that prefill hands to BLAS."""
+the dequantization that prefill hands to BLAS. The SVE CPUs report the dot product, so their
+calls of up to ``int8.SDOT_MAX_ROWS`` rows run on SDOT (int8_sdot.h) and are held to the
+references on rows rounded as it rounds them (``int4.round_rows_ref``); the NEON CPU (a
+Cortex-A72) has no dot product and runs the fp32 form on every call."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.ops.cpu import int8
+from moeserve.ops.cpu import int4, int8
 from moeserve.quant.int8 import Int8Weight
 from tests.arm import qemu
 from tests.unit.ops.cpu.test_int8 import (
@@ -25,6 +28,16 @@ pytestmark = pytest.mark.skipif(qemu.MISSING is not None, reason=qemu.MISSING or
 
 
 driver = qemu.driver_fixture("int8")
+
+
+def sdot(cpu: str, rows: int) -> bool:
+    """Whether a call of ``rows`` rows (an MoE call: its largest expert's) runs on SDOT."""
+    return "asimddp" in qemu.CPUS[cpu][1].split() and rows <= int8.SDOT_MAX_ROWS
+
+
+def rounded_ref(x: torch.Tensor, w) -> torch.Tensor:
+    """The reference on rows rounded as the SDOT form takes them."""
+    return int8.linear_int8_ref(int4.round_rows_ref(x), w.q, w.scale)
 
 
 def _q(t: torch.Tensor) -> np.ndarray:
@@ -43,7 +56,8 @@ def test_gemm_matches_reference_on_arm(driver):
             arrays = [qemu.dims(0, M, N, K), x.numpy(), _q(w.q), w.scale.numpy()]
             (y,) = qemu.run(binary, cpu, arrays)
             got = torch.from_numpy(y).view(M, N)
-            torch.testing.assert_close(got, ref(x, w), rtol=1e-5, atol=1e-4)
+            want = rounded_ref(x, w) if sdot(cpu, M) else ref(x, w)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("T", MOE_TOKENS)
@@ -73,7 +87,8 @@ def test_moe_matches_reference_on_arm(driver, T):
         weight_R.numpy(),
     ]
     (y,) = qemu.run(binary, cpu, arrays)
-    want = int8.moe_int8_ref(x_RD, experts, counts, w13.data, w2.data, weight_R)
+    gemm = rounded_ref if sdot(cpu, max(counts)) else None
+    want = int8.moe_int8_ref(x_RD, experts, counts, w13.data, w2.data, weight_R, gemm=gemm)
     torch.testing.assert_close(torch.from_numpy(y).view(-1, D), want, rtol=1e-4, atol=1e-3)
 
 

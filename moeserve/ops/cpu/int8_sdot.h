@@ -1,0 +1,234 @@
+/* Weight-only int8 GEMMs and MoE calls on the Armv8.2 dot product (SDOT, `asimddp`), for
+ * int8.c's aarch64 body, few token rows at a time.
+ *
+ * The token rows are rounded once per call to 16-bit fixed point, one scale per row, and
+ * split into two signed byte planes, as int4_idot.h takes them on x86:
+ *
+ *   c[i] = max_k |x[i, k]| / XMAX,   xi[i, k] = round(x[i, k] / c[i]),   |xi| <= XMAX = 32639
+ *   xi = xh * 256 + xl                                   (xh, xl in [-128, 127])
+ *   y[i, n] = c[i] * scale[n] * (256 * sum_k q[n, k] xh[i, k] + sum_k q[n, k] xl[i, k])
+ *
+ * Each sum is exact in int32 lanes (a lane adds K / 16 dots of 4 products of at most
+ * 127 * 128: 75M at K = 18432). So the result is the reference's on x rounded per row to
+ * 2^-16 of its largest |x| (ops/cpu/int4.py round_rows_ref), ~1e-5 of an output, far below
+ * int8's own rounding of the weights. Per 16 weights and token row the dots take 2 SDOT
+ * where the fp32 form takes 4 FMAs and 11 conversions per 16 weights: the weight stream, not
+ * the conversions, then bounds a decode step.
+ *
+ * Token rows are planes of SD_KP(K) bytes (zero padded to 16); a pair of weight rows is dotted
+ * with blocks of SD_MB token rows (4 int32 accumulators a row: 24 + 4 of 32 registers); the
+ * weights' last K % 16 columns are summed in scalar code. The MoE call rounds the groups' rows,
+ * runs the gate/up pairs, the gated activation, rounds the hidden, then the down pairs, in one
+ * parallel region as int8.c's moe body. Included by int8.c where the build has +dotprod; not a
+ * translation unit of its own. */
+#ifndef MOESERVE_INT8_SDOT_H
+#define MOESERVE_INT8_SDOT_H
+
+#define SD_XMAX 32639
+#define SD_KP(K) (((K) + 15) / 16 * 16)
+#define SD_MB 6
+
+/* The rounded rows of a call: row i's planes at xh + i * kp and xl + i * kp, its scale c[i] */
+struct sd_rows {
+    int8_t *xh, *xl;
+    float *c;
+    int64_t kp;
+};
+
+static int sd_alloc(int64_t M, int64_t K, struct sd_rows *r) {
+    r->kp = SD_KP(K);
+    r->xh = malloc((size_t)(2 * M * r->kp) + (size_t)M * sizeof(float) + 1);
+    if (!r->xh) return -1;
+    r->xl = r->xh + M * r->kp;
+    r->c = (float *)(r->xl + M * r->kp);
+    return 0;
+}
+
+/* four int32 vectors' lanes (each in [-128, 127]) as 16 bytes */
+static inline int8x16_t sd_bytes(int32x4_t a, int32x4_t b, int32x4_t c, int32x4_t d) {
+    const int16x8_t lo = vcombine_s16(vmovn_s32(a), vmovn_s32(b));
+    const int16x8_t hi = vcombine_s16(vmovn_s32(c), vmovn_s32(d));
+    return vcombine_s8(vmovn_s16(lo), vmovn_s16(hi));
+}
+
+/* Row x (K floats) rounded into row i of r. A row with a nan or an inf gets c nan, so its
+ * outputs are nan as the reference's are; a zero row gets c 0. */
+static void sd_round_row(int64_t K, const float *x, const struct sd_rows *r, int64_t i) {
+    int8_t *xh = r->xh + i * r->kp, *xl = r->xl + i * r->kp;
+    float32x4_t m = vdupq_n_f32(0.0f);
+    uint32x4_t bad = vdupq_n_u32(0);
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const float32x4_t v = vld1q_f32(x + k);
+        m = vmaxq_f32(m, vabsq_f32(v));
+        bad = vorrq_u32(bad, vmvnq_u32(vceqq_f32(vsubq_f32(v, v), vdupq_n_f32(0.0f))));
+    }
+    float amax = vmaxvq_f32(m);
+    int nonfinite = vmaxvq_u32(bad) != 0;
+    for (; k < K; k++) {
+        amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+        nonfinite |= x[k] - x[k] != 0.0f;
+    }
+    r->c[i] = nonfinite ? NAN : amax / (float)SD_XMAX;
+    const float inv = amax > 0.0f && !nonfinite ? (float)SD_XMAX / amax : 0.0f;
+    const int32x4_t top = vdupq_n_s32(SD_XMAX), bottom = vdupq_n_s32(-SD_XMAX);
+    for (k = 0; k < r->kp; k += 16) {
+        int32x4_t h[4], l[4];
+        for (int j = 0; j < 4; j++) {
+            int32x4_t xi = vdupq_n_s32(0); /* past K: zeros */
+            if (k + 4 * j + 4 <= K) {
+                xi = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + k + 4 * j), inv));
+            } else if (k + 4 * j < K) {
+                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int64_t u = k + 4 * j; u < K; u++) t[u - k - 4 * j] = x[u];
+                xi = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(t), inv));
+            }
+            xi = vmaxq_s32(vminq_s32(xi, top), bottom);
+            l[j] = vshrq_n_s32(vshlq_n_s32(xi, 24), 24); /* the low byte, sign-extended */
+            h[j] = vshrq_n_s32(vsubq_s32(xi, l[j]), 8);
+        }
+        vst1q_s8(xh + k, sd_bytes(h[0], h[1], h[2], h[3]));
+        vst1q_s8(xl + k, sd_bytes(l[0], l[1], l[2], l[3]));
+    }
+}
+
+/* rows [lo, hi) of x (row stride ldx) into r, first through the gated activation
+ * (silu_mul_row: x is the hidden [gate K | up K]) when act is set */
+static void sd_round_rows(int64_t lo, int64_t hi, int64_t K, float *x, int64_t ldx, int act,
+                          const struct sd_rows *r) {
+    for (int64_t i = lo; i < hi; i++) {
+        if (act) silu_mul_row(K, x + i * ldx);
+        sd_round_row(K, x + i * ldx, r, i);
+    }
+}
+
+/* rows 0..mb-1 of r (from row m0) against int8 weight rows q0 and q1 (q1 == q0 when !two),
+ * scales s0 and s1: y[i * ldy] (and y[i * ldy + 1]) = the rows' products */
+static inline __attribute__((always_inline)) void sd_block(const int mb, const int two,
+                                                           int64_t K, const struct sd_rows *r,
+                                                           int64_t m0, const int8_t *q0,
+                                                           const int8_t *q1, float s0, float s1,
+                                                           float *y, int64_t ldy) {
+    int32x4_t a[SD_MB][4];
+    for (int i = 0; i < SD_MB; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = vdupq_n_s32(0);
+    const int64_t kv = K - K % 16;
+    for (int64_t k = 0; k < kv; k += 16) {
+        PREFETCH_T0(q0 + k + PREFETCH);
+        PREFETCH_T0(q1 + k + PREFETCH);
+        const int8x16_t w0 = vld1q_s8(q0 + k), w1 = vld1q_s8(q1 + k);
+        for (int i = 0; i < SD_MB; i++) {
+            if (i < mb) {
+                const int8x16_t h = vld1q_s8(r->xh + (m0 + i) * r->kp + k);
+                const int8x16_t l = vld1q_s8(r->xl + (m0 + i) * r->kp + k);
+                a[i][0] = vdotq_s32(a[i][0], w0, h);
+                a[i][1] = vdotq_s32(a[i][1], w0, l);
+                a[i][2] = vdotq_s32(a[i][2], w1, h);
+                a[i][3] = vdotq_s32(a[i][3], w1, l);
+            }
+        }
+    }
+    for (int i = 0; i < SD_MB; i++) {
+        if (i >= mb) continue;
+        const int8_t *xh = r->xh + (m0 + i) * r->kp, *xl = r->xl + (m0 + i) * r->kp;
+        int64_t d0 = (int64_t)vaddvq_s32(a[i][0]) * 256 + vaddvq_s32(a[i][1]);
+        int64_t d1 = (int64_t)vaddvq_s32(a[i][2]) * 256 + vaddvq_s32(a[i][3]);
+        for (int64_t k = kv; k < K; k++) {
+            const int64_t xi = (int64_t)xh[k] * 256 + xl[k];
+            d0 += xi * q0[k];
+            d1 += xi * q1[k];
+        }
+        const float c = r->c[m0 + i];
+        y[i * ldy] = (float)d0 * c * s0;
+        if (two) y[i * ldy + 1] = (float)d1 * c * s1;
+    }
+}
+
+/* rows m0 .. m0 + M of r against the `rows` (<= PANEL) int8 weight rows at q (scales s) */
+static void sd_panel(int64_t M, int64_t K, const struct sd_rows *r, int64_t m0, const int8_t *q,
+                     int64_t ldq, const float *s, int64_t rows, float *y, int64_t ldy) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 2) {
+        const int two = r0 + 1 < rows;
+        const int8_t *q0 = q + r0 * ldq, *q1 = q0 + (two ? ldq : 0);
+        for (int64_t i0 = 0; i0 < M; i0 += SD_MB) {
+            const int64_t left = M - i0;
+#define CALL_SD(mb) \
+    sd_block(mb, two, K, r, m0 + i0, q0, q1, s[r0], s[r0 + two], y + i0 * ldy + r0, ldy)
+            DISPATCH_MB(left, SD_MB, CALL_SD)
+#undef CALL_SD
+        }
+    }
+}
+
+/* y = (x @ q^T) * scale for M token rows: the rows rounded once, then the threads share out
+ * panels of PANEL weight rows. -1 when the scratch cannot be allocated (nothing computed). */
+static int gemm_sdot(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                     const int8_t *q, int64_t ldq, const float *scale, float *y, int64_t ldy) {
+    struct sd_rows r;
+    if (sd_alloc(M, K, &r)) return -1;
+    sd_round_rows(0, M, K, (float *)x, ldx, 0, &r);
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * PANEL, rows = N - n0 < PANEL ? N - n0 : PANEL;
+        sd_panel(M, K, &r, 0, q + n0 * ldq, ldq, scale + n0, rows, y + n0, ldy);
+    }
+    free(r.xh);
+    return 0;
+}
+
+/* int8.c's moe body on the dot products: the groups' rows of x rounded once, their gate/up
+ * pairs, the gated activation and the rounding of each hidden row, then the down pairs times
+ * the routing weights. -1 when the scratch cannot be allocated (nothing computed). */
+static int moe_sdot(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                    const int64_t *count, int64_t D, int64_t F, const float *x,
+                    const int8_t *q13, const float *s13, const int8_t *q2, const float *s2,
+                    const float *route_w, float *h, float *y) {
+    int64_t R = 0;
+    for (int64_t g = 0; g < n_groups; g++)
+        R = start[g] + count[g] > R ? start[g] + count[g] : R;
+    struct sd_rows rx, rh;
+    if (sd_alloc(R, D, &rx)) return -1;
+    if (sd_alloc(R, F, &rh)) {
+        free(rx.xh);
+        return -1;
+    }
+    const int64_t panels13 = (2 * F + PANEL - 1) / PANEL, panels2 = (D + PANEL - 1) / PANEL;
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t g = 0; g < n_groups; g++) /* each thread an equal share of each group */
+            sd_round_rows(start[g] + count[g] * t / nt, start[g] + count[g] * (t + 1) / nt, D,
+                          (float *)x, D, 0, &rx);
+#pragma omp barrier
+        int64_t lo, end;
+        moe_share(n_groups, count, panels13, t, nt, &lo, &end);
+        for (int64_t job = lo; job < end; job++) {
+            const int64_t g = job / panels13, n0 = (job % panels13) * PANEL, e = expert[g];
+            const int64_t nr = 2 * F - n0 < PANEL ? 2 * F - n0 : PANEL;
+            sd_panel(count[g], D, &rx, start[g], q13 + (e * 2 * F + n0) * D, D,
+                     s13 + e * 2 * F + n0, nr, h + start[g] * 2 * F + n0, 2 * F);
+        }
+#pragma omp barrier
+        for (int64_t g = 0; g < n_groups; g++)
+            sd_round_rows(start[g] + count[g] * t / nt, start[g] + count[g] * (t + 1) / nt, F, h,
+                          2 * F, 1, &rh);
+#pragma omp barrier
+        moe_share(n_groups, count, panels2, t, nt, &lo, &end);
+        for (int64_t job = lo; job < end; job++) {
+            const int64_t g = job / panels2, n0 = (job % panels2) * PANEL, e = expert[g];
+            const int64_t nr = D - n0 < PANEL ? D - n0 : PANEL;
+            float *yg = y + start[g] * D + n0;
+            sd_panel(count[g], F, &rh, start[g], q2 + (e * D + n0) * F, F, s2 + e * D + n0, nr,
+                     yg, D);
+            for (int64_t i = 0; i < count[g]; i++) {
+                const float w = route_w[start[g] + i];
+                for (int64_t c = 0; c < nr; c++) yg[i * D + c] *= w;
+            }
+        }
+    }
+    free(rx.xh);
+    free(rh.xh);
+    return 0;
+}
+
+#endif
