@@ -81,3 +81,14 @@ def fill_routing(buffers, E: int, generator: torch.Generator) -> tuple[list, lis
     buffers.x_sorted.copy_(torch.randn(R, D, generator=generator))
     buffers.weight.copy_(torch.rand(R, generator=generator))
     return experts, counts, G
+
+
+def sort_by_expert(ids_TK: torch.Tensor, E: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """A routing's choices sorted by expert, as the MoE kernels take them: ``(order, experts,
+    counts)`` with ``order`` the flat choices' permutation (row ``order // K`` of the tokens)
+    and the experts with rows, in order, and their rows."""
+    flat = ids_TK.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts_E = torch.bincount(flat, minlength=E).tolist()
+    experts = [e for e in range(E) if counts_E[e]]
+    return order, experts, [counts_E[e] for e in experts]

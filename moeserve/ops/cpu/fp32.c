@@ -26,6 +26,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common.h"
 
@@ -46,6 +47,16 @@ static inline int64_t prefetch_ahead(int64_t ldw) {
     return pair * ((MIN_PREFETCH + pair - 1) / pair);
 }
 
+/* a bf16 weight as fp32 (exact: a bf16 is the top half of an fp32). Each body below is also
+ * instantiated on bf16 weights (WT uint16_t, suffix _bf16): VLOADW widens W of them in
+ * registers, so bf16 weights stream at 2 bytes each without AMX, the tokens staying fp32. */
+static inline float bf16_f32(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 #if defined(__x86_64__)
 /* ---- AVX2 + FMA: 8 lanes, blocks of 6 rows (12 accumulators + 3 of 16 registers) ---- */
 #define FP32_BODY
@@ -61,7 +72,26 @@ typedef __m256 vf_avx2;
 #define VHSUM(v) hsum256(v)
 #define NJ 2 /* weight rows per job: a pair */
 #define PAIR_ROWS_FEW pair_rows_avx2
+#define WT float
+#define VLOADW(p) VLOADU(p)
+#define WF(v) (v)
 #include "fp32.c" /* this file: its body, for this ISA */
+#undef SFX
+#undef PAIR_ROWS_FEW
+#undef WT
+#undef VLOADW
+#undef WF
+#define SFX _avx2_bf16
+#define PAIR_ROWS_FEW pair_rows_avx2_bf16
+#define WT uint16_t
+#define VLOADW(p)                                                                      \
+    _mm256_castsi256_ps(                                                               \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define WF(v) bf16_f32(v)
+#include "fp32.c" /* the body on bf16 weights */
+#undef WT
+#undef VLOADW
+#undef WF
 #undef NJ
 #undef PAIR_ROWS_FEW
 #undef W
@@ -122,6 +152,9 @@ typedef __m512 vf_avx512;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
+#define WT float
+#define VLOADW(p) VLOADU(p)
+#define WF(v) (v)
 #include "fp32.c" /* this file: its body, for this ISA */
 
 /* y[:M, :nc] = x @ w^T through the decode jobs of NJ rows: moe_packed.h's few-row path */
@@ -140,6 +173,24 @@ static void rows_f32(int64_t M, int64_t K, const float *x, int64_t ldx, const fl
 #define PK_ROWS(M, K, x, ldx, r, y, ldy) \
     rows_f32(M, K, x, ldx, (const float *)(r)->w, (r)->ld, (r)->nr, y, ldy)
 #include "moe_packed.h"
+
+/* the body on bf16 weights (no packed panels: prefill's many rows go to the bf16 AMX kernels
+ * or torch) */
+#undef SFX
+#undef PAIR_ROWS_FEW
+#undef WT
+#undef VLOADW
+#undef WF
+#define SFX _avx512_bf16
+#define PAIR_ROWS_FEW(M, ...)                                                  \
+    ((M) < WIDE_MIN_ROWS ? pair_rows_avx2_bf16(M, __VA_ARGS__)                 \
+                         : pair_rows_avx512_bf16(M, __VA_ARGS__))
+#define WT uint16_t
+#define VLOADW(p)                                                              \
+    _mm512_castsi512_ps(                                                       \
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define WF(v) bf16_f32(v)
+#include "fp32.c" /* the body on bf16 weights */
 #pragma GCC pop_options
 
 void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
@@ -187,6 +238,40 @@ void moeserve_head_gemm_nt_small(int64_t Hh, int64_t M, int64_t N, int64_t K, co
         head_gemm_avx2(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym);
 }
 
+/* The three entry points above on bf16 weights (w, w13 and w2 uint16_t bf16 bits): the same
+ * bodies, each weight widened in registers; the MoE call's experts all in the dots (no
+ * packed panels). */
+void moeserve_bf16w_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                                  const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+                                  int wide) {
+    if (wide && M >= WIDE_MIN_ROWS)
+        gemm_avx512_bf16(M, N, K, x, ldx, w, ldw, y, ldy);
+    else
+        gemm_avx2_bf16(M, N, K, x, ldx, w, ldw, y, ldy);
+}
+
+void moeserve_bf16w_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                              const int64_t *count, int64_t D, int64_t F, const float *x,
+                              const uint16_t *w13, const uint16_t *w2, const float *route_w,
+                              float *h, float *y, int wide) {
+    int64_t most = 0;
+    for (int64_t g = 0; g < n_groups; g++) most = count[g] > most ? count[g] : most;
+    if (wide && most >= WIDE_MIN_ROWS)
+        moe_avx512_bf16(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
+    else
+        moe_avx2_bf16(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
+}
+
+void moeserve_bf16w_head_gemm_nt_small(int64_t Hh, int64_t M, int64_t N, int64_t K,
+                                       const float *x, int64_t sxh, int64_t sxm,
+                                       const uint16_t *w, int64_t swh, int64_t ldw, float *y,
+                                       int64_t syh, int64_t sym, int wide) {
+    if (wide && M >= WIDE_MIN_ROWS)
+        head_gemm_avx512_bf16(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym);
+    else
+        head_gemm_avx2_bf16(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym);
+}
+
 /* RMSNorm of few rows: y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, single-threaded (a decode
  * step's rows are a few KB; waking threads would cost more than the work). */
 void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, const float *w,
@@ -222,12 +307,39 @@ void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, con
 #define NJ 2
 #include "arm_vec.h"
 #define PAIR_ROWS_FEW CAT(pair_rows, SFX)
+#define WT float
+#define VLOADW(p) VLOADU(p)
+#define WF(v) (v)
 #include "fp32.c" /* this file: its body, for this ISA */
+#undef SFX
+#undef WT
+#undef VLOADW
+#undef WF
+#define WT uint16_t
+#define WF(v) bf16_f32(v)
+#if defined(__ARM_FEATURE_SVE_BITS) && __ARM_FEATURE_SVE_BITS > 0
+#define SFX _sve_bf16
+#define VLOADW(p)                                                                          \
+    svreinterpret_f32_u32(                                                                 \
+        svlsl_n_u32_x(svptrue_b32(), svld1uh_u32(svptrue_b32(), (const uint16_t *)(p)), 16))
+#else
+#define SFX _neon_bf16
+#define VLOADW(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)(p)), 16))
+#endif
+#include "fp32.c" /* the body on bf16 weights */
+#undef SFX
+#if defined(__ARM_FEATURE_SVE_BITS) && __ARM_FEATURE_SVE_BITS > 0
+#define ARM_F32(name) name##_sve
+#define ARM_B16(name) name##_sve_bf16
+#else
+#define ARM_F32(name) name##_neon
+#define ARM_B16(name) name##_neon_bf16
+#endif
 
 void moeserve_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                             const float *w, int64_t ldw, float *y, int64_t ldy, int wide) {
     (void)wide;
-    CAT(gemm, SFX)(M, N, K, x, ldx, w, ldw, y, ldy);
+    ARM_F32(gemm)(M, N, K, x, ldx, w, ldw, y, ldy);
 }
 
 void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
@@ -235,14 +347,38 @@ void moeserve_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *
                         const float *w13, const float *w2, const float *route_w, float *h,
                         float *y, int wide) {
     (void)wide;
-    CAT(moe, SFX)(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
+    ARM_F32(moe)(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
 }
 
 void moeserve_head_gemm_nt_small(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
                                  int64_t sxh, int64_t sxm, const float *w, int64_t swh,
                                  int64_t ldw, float *y, int64_t syh, int64_t sym, int wide) {
     (void)wide;
-    CAT(head_gemm, SFX)(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym);
+    ARM_F32(head_gemm)(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym);
+}
+
+/* the three above on bf16 weights (x86's moeserve_bf16w_*) */
+void moeserve_bf16w_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
+                                  const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+                                  int wide) {
+    (void)wide;
+    ARM_B16(gemm)(M, N, K, x, ldx, w, ldw, y, ldy);
+}
+
+void moeserve_bf16w_moe_small(int64_t n_groups, const int64_t *expert, const int64_t *start,
+                              const int64_t *count, int64_t D, int64_t F, const float *x,
+                              const uint16_t *w13, const uint16_t *w2, const float *route_w,
+                              float *h, float *y, int wide) {
+    (void)wide;
+    ARM_B16(moe)(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
+}
+
+void moeserve_bf16w_head_gemm_nt_small(int64_t Hh, int64_t M, int64_t N, int64_t K,
+                                       const float *x, int64_t sxh, int64_t sxm,
+                                       const uint16_t *w, int64_t swh, int64_t ldw, float *y,
+                                       int64_t syh, int64_t sym, int wide) {
+    (void)wide;
+    ARM_B16(head_gemm)(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym);
 }
 
 /* RMSNorm of few rows (the x86 one's arithmetic, NEON's 4 lanes) */
@@ -333,8 +469,8 @@ void moeserve_route_grouped_sigmoid(int64_t T, int64_t E, int64_t n_group, int64
 /* rows 0..mb-1 of x against weight rows w0 and w1 (w1 == w0 for a last odd row; y gets its
  * second column only when two) */
 static inline __attribute__((always_inline)) void CAT(dot_block, SFX)(
-    const int mb, const int two, int64_t K, const float *x, int64_t ldx, const float *w0,
-    const float *w1, float *y, int64_t ldy, int64_t pf) {
+    const int mb, const int two, int64_t K, const float *x, int64_t ldx, const WT *w0,
+    const WT *w1, float *y, int64_t ldy, int64_t pf) {
     VF a0[MB], a1[MB];
 #pragma GCC unroll 12
     for (int i = 0; i < MB; i++) {
@@ -347,7 +483,7 @@ static inline __attribute__((always_inline)) void CAT(dot_block, SFX)(
          * (and the next pair's rows) in flight; past the end of w it is a harmless no-op */
         PREFETCH_T0(w0 + k + pf);
         PREFETCH_T0(w1 + k + pf);
-        const VF v0 = VLOADU(w0 + k), v1 = VLOADU(w1 + k);
+        const VF v0 = VLOADW(w0 + k), v1 = VLOADW(w1 + k);
 #pragma GCC unroll 12
         for (int i = 0; i < MB; i++) {
             if (i < mb) {
@@ -362,8 +498,8 @@ static inline __attribute__((always_inline)) void CAT(dot_block, SFX)(
         if (i < mb) {
             float s0 = VHSUM(a0[i]), s1 = VHSUM(a1[i]);
             for (int64_t t = k; t < K; t++) {
-                s0 += x[i * ldx + t] * w0[t];
-                s1 += x[i * ldx + t] * w1[t];
+                s0 += x[i * ldx + t] * WF(w0[t]);
+                s1 += x[i * ldx + t] * WF(w1[t]);
             }
             y[i * ldy] = s0;
             if (two) y[i * ldy + 1] = s1;
@@ -375,8 +511,8 @@ static inline __attribute__((always_inline)) void CAT(dot_block, SFX)(
  * chains in flight, and the FMA latency (4 cycles, 2 ports) caps the stream at ~60% of the
  * read bandwidth; four partial sums per weight row keep eight chains in flight (measured
  * 55-64 -> 81-90 GB/s on a 2-core EPYC whose streaming read peaks at ~86 GB/s). */
-static inline void CAT(dot_row1, SFX)(int64_t K, const float *x, const float *w0,
-                                      const float *w1, int two, float *y, int64_t pf) {
+static inline void CAT(dot_row1, SFX)(int64_t K, const float *x, const WT *w0,
+                                      const WT *w1, int two, float *y, int64_t pf) {
     VF a0[4], a1[4];
     for (int j = 0; j < 4; j++) a0[j] = a1[j] = VZERO();
     int64_t k = 0;
@@ -389,20 +525,20 @@ static inline void CAT(dot_row1, SFX)(int64_t K, const float *x, const float *w0
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             const VF xv = VLOADU(x + k + W * j);
-            a0[j] = VFMA(xv, VLOADU(w0 + k + W * j), a0[j]);
-            a1[j] = VFMA(xv, VLOADU(w1 + k + W * j), a1[j]);
+            a0[j] = VFMA(xv, VLOADW(w0 + k + W * j), a0[j]);
+            a1[j] = VFMA(xv, VLOADW(w1 + k + W * j), a1[j]);
         }
     }
     for (; k + W <= K; k += W) {
         const VF xv = VLOADU(x + k);
-        a0[0] = VFMA(xv, VLOADU(w0 + k), a0[0]);
-        a1[0] = VFMA(xv, VLOADU(w1 + k), a1[0]);
+        a0[0] = VFMA(xv, VLOADW(w0 + k), a0[0]);
+        a1[0] = VFMA(xv, VLOADW(w1 + k), a1[0]);
     }
     float s0 = VHSUM(VADD(VADD(a0[0], a0[1]), VADD(a0[2], a0[3])));
     float s1 = VHSUM(VADD(VADD(a1[0], a1[1]), VADD(a1[2], a1[3])));
     for (; k < K; k++) {
-        s0 += x[k] * w0[k];
-        s1 += x[k] * w1[k];
+        s0 += x[k] * WF(w0[k]);
+        s1 += x[k] * WF(w1[k]);
     }
     y[0] = s0;
     if (two) y[1] = s1;
@@ -410,7 +546,7 @@ static inline void CAT(dot_row1, SFX)(int64_t K, const float *x, const float *w0
 
 /* All M rows of x (in blocks of MB) against weight rows w0 and w1 (w0 alone when !two). */
 static void CAT(pair_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t ldx,
-                                const float *w0, const float *w1, int two, float *y,
+                                const WT *w0, const WT *w1, int two, float *y,
                                 int64_t ldy, int64_t pf) {
     if (M == 1) {
         CAT(dot_row1, SFX)(K, x, w0, w1, two, y, pf);
@@ -448,9 +584,9 @@ static void CAT(pair_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t ld
  * loads for 4 * mb FMAs, so the token rows (streamed from L2 when a block of them does not
  * fit in L1) are read half as often per FMA as with pairs. */
 static inline __attribute__((always_inline)) void CAT(dot_quad, SFX)(
-    const int mb, const int nw, int64_t K, const float *x, int64_t ldx, const float *w,
+    const int mb, const int nw, int64_t K, const float *x, int64_t ldx, const WT *w,
     int64_t ldw, float *y, int64_t ldy, int64_t pf) {
-    const float *wr[4];
+    const WT *wr[4];
     for (int j = 0; j < 4; j++) wr[j] = w + (j < nw ? j : 0) * ldw;
     VF a[MBQ][4];
 #pragma GCC unroll 8
@@ -462,7 +598,7 @@ static inline __attribute__((always_inline)) void CAT(dot_quad, SFX)(
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             PREFETCH_T0(wr[j] + k + pf);
-            v[j] = VLOADU(wr[j] + k);
+            v[j] = VLOADW(wr[j] + k);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < MBQ; i++) {
@@ -495,7 +631,7 @@ static inline __attribute__((always_inline)) void CAT(dot_quad, SFX)(
         if (i < mb) {
             for (int j = 0; j < nw; j++) {
                 float s = sums[4 * i + j];
-                for (int64_t t = k; t < K; t++) s += x[i * ldx + t] * wr[j][t];
+                for (int64_t t = k; t < K; t++) s += x[i * ldx + t] * WF(wr[j][t]);
                 y[i * ldy + j] = s;
             }
         }
@@ -508,7 +644,7 @@ static inline __attribute__((always_inline)) void CAT(dot_quad, SFX)(
  * quads from QUAD_MIN rows on (bound by the FMAs and the token rows' loads). pf: prefetch
  * distance of the pairs (prefetch_ahead), pf4: of the quads. */
 static void CAT(job_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t ldx,
-                               const float *w, int64_t ldw, int nw, float *y, int64_t ldy,
+                               const WT *w, int64_t ldw, int nw, float *y, int64_t ldy,
                                int64_t pf, int64_t pf4) {
 #ifdef MBQ
     if (M >= QUAD_MIN) {
@@ -537,7 +673,7 @@ static inline int64_t CAT(prefetch_ahead4, SFX)(int64_t ldw) {
 }
 
 static void CAT(gemm, SFX)(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
-                           const float *w, int64_t ldw, float *y, int64_t ldy) {
+                           const WT *w, int64_t ldw, float *y, int64_t ldy) {
     const int64_t jobs = (N + NJ - 1) / NJ, pf = prefetch_ahead(ldw);
     const int64_t pf4 = CAT(prefetch_ahead4, SFX)(ldw);
 #pragma omp parallel for schedule(static) if (N * K >= 32768)
@@ -550,7 +686,7 @@ static void CAT(gemm, SFX)(int64_t M, int64_t N, int64_t K, const float *x, int6
 
 static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t *start,
                           const int64_t *count, int64_t D, int64_t F, const float *x,
-                          const float *w13, const float *w2, const float *route_w, float *h,
+                          const WT *w13, const WT *w2, const float *route_w, float *h,
                           float *y) {
     const int64_t jobs13 = (2 * F + NJ - 1) / NJ, jobs2 = (D + NJ - 1) / NJ;
     const int64_t pf13 = prefetch_ahead(D), pf2 = prefetch_ahead(F);
@@ -565,7 +701,7 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
         for (int64_t job = lo13; job < end13; job++) {
             const int64_t g = job / jobs13, n0 = NJ * (job % jobs13);
             const int nw = 2 * F - n0 < NJ ? (int)(2 * F - n0) : NJ;
-            const float *w0 = w13 + expert[g] * 2 * F * D + n0 * D;
+            const WT *w0 = w13 + expert[g] * 2 * F * D + n0 * D;
             CAT(job_rows, SFX)(count[g], D, x + start[g] * D, D, w0, D, nw,
                                h + start[g] * 2 * F + n0, 2 * F, pf13, pf13q);
         }
@@ -587,7 +723,7 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
 }
 
 static void CAT(head_gemm, SFX)(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
-                                int64_t sxh, int64_t sxm, const float *w, int64_t swh,
+                                int64_t sxh, int64_t sxm, const WT *w, int64_t swh,
                                 int64_t ldw, float *y, int64_t syh, int64_t sym) {
     const int64_t jobs = (N + NJ - 1) / NJ, pf = prefetch_ahead(ldw);
     const int64_t pf4 = CAT(prefetch_ahead4, SFX)(ldw);

@@ -55,25 +55,37 @@ def _library() -> ctypes.CDLL | None:
     lib = build.load(_SOURCE)
     if lib is None:
         return None
-    build.declare(lib, "moeserve_gemm_nt_small", I64, I64, I64, PTR, I64, PTR, I64, PTR, I64, INT)
+    for prefix in _PREFIX.values():  # the fp32 kernels and their twins on bf16 weights
+        build.declare(
+            lib, f"{prefix}_gemm_nt_small", I64, I64, I64, PTR, I64, PTR, I64, PTR, I64, INT
+        )
+        build.declare(
+            lib,
+            f"{prefix}_moe_small",
+            *(I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, INT),
+        )
+        build.declare(
+            lib,
+            f"{prefix}_head_gemm_nt_small",
+            *(I64,) * 4,
+            *(PTR, I64, I64, PTR, I64, I64, PTR, I64, I64, INT),
+        )
     build.declare(lib, "moeserve_rms_norm", I64, I64, PTR, I64, PTR, F32, PTR, I64)
     build.declare(
         lib,
         "moeserve_route_grouped_sigmoid",
         *(I64, I64, I64, I64, I64, PTR, PTR, INT, F32, PTR, PTR, PTR, I64),
     )
-    build.declare(
-        lib,
-        "moeserve_moe_small",
-        *(I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, INT),
-    )
-    build.declare(
-        lib,
-        "moeserve_head_gemm_nt_small",
-        *(I64,) * 4,
-        *(PTR, I64, I64, PTR, I64, I64, PTR, I64, I64, INT),
-    )
     return lib
+
+
+# the entry points per weight dtype: bf16 weights run the same bodies, widened in registers
+_PREFIX = {torch.float32: "moeserve", torch.bfloat16: "moeserve_bf16w"}
+
+
+def _entry(name: str, dtype: torch.dtype):
+    """The library's ``name`` kernel for weights of ``dtype`` (:data:`_PREFIX`)."""
+    return getattr(_library(), f"{_PREFIX[dtype]}_{name}")
 
 
 def available() -> bool:
@@ -108,8 +120,9 @@ def few_rows(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
 
 
 def weight_ok(w: torch.Tensor) -> bool:
-    """Whether the fp32 GEMM kernels take ``w`` as their ``[N, K]`` weight (and are built)."""
-    return w.dim() == 2 and w.dtype == torch.float32 and w.stride(1) == 1 and available()
+    """Whether the GEMM kernels take ``w`` as their ``[N, K]`` weight (fp32, or bf16 widened
+    in registers; unit-stride rows) and are built."""
+    return w.dim() == 2 and w.dtype in _PREFIX and w.stride(1) == 1 and available()
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -124,13 +137,13 @@ def gemm_nt(
 
     ``out`` ([M, N], unit-stride rows) receives the result when given; ``avx512`` overrides
     :func:`wide` (tests, benchmarks). The caller checks :func:`usable` first; the reference is
-    ``F.linear(x, w)``.
+    ``F.linear(x, w.float())`` (``w`` fp32 or bf16).
     """
     M, K = x.shape
     N = w.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=torch.float32)
-    _library().moeserve_gemm_nt_small(
+    _entry("gemm_nt_small", w.dtype)(
         M,
         N,
         K,
@@ -150,7 +163,7 @@ def bind_gemm(w: torch.Tensor, fallback) -> BoundGemm | None:
     take ``w``."""
     if not (w.device.type == "cpu" and weight_ok(w)):
         return None
-    fn = _library().moeserve_gemm_nt_small
+    fn = _entry("gemm_nt_small", w.dtype)
     w_args = (w.data_ptr(), w.stride(0))
     return BoundGemm(fn, tuple(w.shape), w_args, MAX_ROWS, int(wide()), pointers(w), fallback)
 
@@ -158,11 +171,13 @@ def bind_gemm(w: torch.Tensor, fallback) -> BoundGemm | None:
 def moe_usable(
     x_RD: torch.Tensor, counts: list[int], w13_EFD: torch.Tensor, w2_EDF: torch.Tensor
 ) -> bool:
-    """Whether :func:`moe_experts` runs the kernel for these operands (any number of rows per
-    expert: :func:`moe_call_buffers` splits larger groups)."""
+    """Whether :func:`moe_experts` runs the kernel for these operands (fp32 rows, fp32 or bf16
+    weights; any number of rows per expert: :func:`moe_call_buffers` splits larger groups)."""
     return (
         0 < max(counts, default=0)
-        and x_RD.dtype == w13_EFD.dtype == w2_EDF.dtype == torch.float32
+        and x_RD.dtype == torch.float32
+        and w13_EFD.dtype == w2_EDF.dtype
+        and w13_EFD.dtype in _PREFIX
         and x_RD.device.type == "cpu"
         and x_RD.is_contiguous()
         and w13_EFD.is_contiguous()
@@ -272,7 +287,7 @@ def moe_experts(
         x_RD.shape[0], D, F, experts, counts, weight_R, mkl_min_rows(avx512)
     )
     if meta.shape[1]:
-        _library().moeserve_moe_small(
+        _entry("moe_small", w13_EFD.dtype)(
             meta.shape[1],
             meta[0].data_ptr(),
             meta[1].data_ptr(),
@@ -289,8 +304,9 @@ def moe_experts(
         )
     for i, first in big:
         rows = slice(first, first + counts[i])
-        gate, up = F_.linear(x_RD[rows], w13_EFD[experts[i]]).chunk(2, dim=-1)
-        torch.matmul(F_.silu(gate).mul_(up), w2_EDF[experts[i]].t(), out=y[rows])
+        w13, w2 = w13_EFD[experts[i]].float(), w2_EDF[experts[i]].float()  # bf16: widened
+        gate, up = F_.linear(x_RD[rows], w13).chunk(2, dim=-1)
+        torch.matmul(F_.silu(gate).mul_(up), w2.t(), out=y[rows])
         y[rows] *= weight_R[rows, None]
     return y
 
@@ -308,7 +324,7 @@ class BoundMoE:
 
     @staticmethod
     def bind(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> BoundMoE | None:
-        ok = w13_EFD.dtype == w2_EDF.dtype == torch.float32 and available()
+        ok = w13_EFD.dtype == w2_EDF.dtype and w13_EFD.dtype in _PREFIX and available()
         ok = ok and on_cpu_contiguous(w13_EFD, w2_EDF)
         return BoundMoE(w13_EFD, w2_EDF) if ok else None
 
@@ -427,7 +443,8 @@ def head_gemm_nt(
     N = w_HNK.shape[1]
     if not (
         0 < M <= MAX_ROWS
-        and x_HMK.dtype == w_HNK.dtype == torch.float32
+        and x_HMK.dtype == torch.float32
+        and w_HNK.dtype in _PREFIX
         and x_HMK.device.type == "cpu"
         and x_HMK.stride(2) == 1
         and w_HNK.stride(2) == 1
@@ -437,7 +454,7 @@ def head_gemm_nt(
         return None
     if out_HMN is None:
         out_HMN = torch.empty(H, M, N, dtype=torch.float32)
-    _library().moeserve_head_gemm_nt_small(
+    _entry("head_gemm_nt_small", w_HNK.dtype)(
         H,
         M,
         N,
@@ -457,9 +474,9 @@ def head_gemm_nt(
 
 
 def bind_head_gemm(w_HNK: torch.Tensor) -> BoundHeadGemm | None:
-    """:func:`head_gemm_nt` with its fp32 weight bound; None where the kernel does not take
-    it."""
-    ok = w_HNK.dtype == torch.float32 and w_HNK.device.type == "cpu" and w_HNK.is_contiguous()
+    """:func:`head_gemm_nt` with its fp32 or bf16 weight bound; None where the kernel does not
+    take it."""
+    ok = w_HNK.dtype in _PREFIX and w_HNK.device.type == "cpu" and w_HNK.is_contiguous()
     if not (ok and available()):
         return None
-    return BoundHeadGemm(_library().moeserve_head_gemm_nt_small, w_HNK, int(wide()))
+    return BoundHeadGemm(_entry("head_gemm_nt_small", w_HNK.dtype), w_HNK, int(wide()))

@@ -1,7 +1,8 @@
 """ops/cpu/fp32.c's aarch64 bodies (NEON, and SVE at two vector lengths) built and run under
 qemu (tests/arm/qemu.py), on test_fp32.py's cases, against the same references and bounds:
 the few-row GEMM (``F.linear``), the one-call MoE (``moe_reference``), the per-head GEMM
-(``torch.bmm``), RMSNorm and routing."""
+(``torch.bmm``), RMSNorm and routing; and the GEMMs' twins on bf16 weights (the bf16 format's
+kernels on ARM), against the references on the widened weights."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from moeserve.ops.moe import moe_reference
 from moeserve.ops.routing import route_grouped_sigmoid
 from tests.arm import qemu
+from tests.helpers import sort_by_expert
 from tests.unit.ops.cpu.test_fp32 import (
     GEMM_ROWS,
     GEMM_SHAPES,
@@ -46,11 +48,7 @@ def test_moe_matches_reference_on_arm(driver, T, D, Fd):
     cpu, binary = driver
     x, w13, w2, w, ids = moe_case(T, D, Fd)
     E, K = w13.shape[0], ids.shape[1]
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts_E = torch.bincount(flat, minlength=E).tolist()
-    experts = [e for e in range(E) if counts_E[e]]
-    counts = [counts_E[e] for e in experts]
+    order, experts, counts = sort_by_expert(ids, E)
     starts = np.cumsum([0, *counts[:-1]])
     arrays = [
         qemu.dims(1, len(experts), D, Fd),
@@ -104,3 +102,52 @@ def test_routing_matches_reference_on_arm(driver, n_group, topk_group, norm):
     assert torch.equal(got_sorted, ref_sorted)
     torch.testing.assert_close(got_w.gather(1, got_order), ref_w.gather(1, ref_order))
     assert torch.equal(torch.from_numpy(counts), torch.bincount(ref_ids.reshape(-1), minlength=64))
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 weight as the driver reads it: its bits (uint16)."""
+    return t.view(torch.uint16).numpy()
+
+
+@pytest.mark.parametrize("M", [1, 3, 12, 13, 33])
+def test_bf16_weights_gemm_on_arm(driver, M):
+    cpu, binary = driver
+    for N, K in [(33, 17), (130, 1001), (9, 72)]:
+        g = torch.Generator().manual_seed(M * 1000 + N + K)
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+        (y,) = qemu.run(binary, cpu, [qemu.dims(5, M, N, K), x.numpy(), _bits(w)])
+        want = F.linear(x, w.float())
+        torch.testing.assert_close(torch.from_numpy(y).view(M, N), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,D,Fd", MOE_SHAPES)
+def test_bf16_weights_moe_on_arm(driver, T, D, Fd):
+    cpu, binary = driver
+    x, w13, w2, w, ids = moe_case(T, D, Fd)
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    E, K = w13.shape[0], ids.shape[1]
+    order, experts, counts = sort_by_expert(ids, E)
+    arrays = [
+        qemu.dims(6, len(experts), D, Fd),
+        np.array(experts, dtype=np.int64),
+        np.cumsum([0, *counts[:-1]]).astype(np.int64),
+        np.array(counts, dtype=np.int64),
+        x[order // K].numpy(),
+        _bits(w13),
+        _bits(w2),
+        w.reshape(-1)[order].numpy(),
+    ]
+    (y,) = qemu.run(binary, cpu, arrays)
+    got = torch.zeros_like(x).index_add_(0, order // K, torch.from_numpy(y).view(-1, D))
+    ref = moe_reference(x, w13.float(), w2.float(), w, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_bf16_weights_head_gemm_on_arm(driver):
+    cpu, binary = driver
+    g = torch.Generator().manual_seed(7)
+    H, M, N, K = 5, 13, 33, 40
+    x, w = torch.randn(H, M, K, generator=g), torch.randn(H, N, K, generator=g).bfloat16()
+    (y,) = qemu.run(binary, cpu, [qemu.dims(7, H, M, N, K), x.numpy(), _bits(w)])
+    want = torch.bmm(x, w.float().transpose(1, 2))
+    torch.testing.assert_close(torch.from_numpy(y).view(H, M, N), want, rtol=1e-5, atol=1e-4)

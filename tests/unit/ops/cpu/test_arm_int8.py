@@ -15,6 +15,7 @@ import torch
 from moeserve.ops.cpu import int4, int8
 from moeserve.quant.int8 import Int8Weight
 from tests.arm import qemu
+from tests.helpers import sort_by_expert
 from tests.unit.ops.cpu.test_int8 import (
     GEMM_ROWS,
     GEMM_SHAPES,
@@ -68,11 +69,7 @@ def test_moe_matches_reference_on_arm(driver, T):
     w13.copy_(torch.randn(E, 2 * Fd, D))
     w2.copy_(torch.randn(E, D, Fd))
     x, ids, w = _sorted_inputs(T, E, K, D, T)
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts_E = torch.bincount(flat, minlength=E).tolist()
-    experts = [e for e in range(E) if counts_E[e]]
-    counts = [counts_E[e] for e in experts]
+    order, experts, counts = sort_by_expert(ids, E)
     x_RD, weight_R = x[order // K], w.reshape(-1)[order]
     arrays = [
         qemu.dims(1, len(experts), D, Fd),

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.linear import linear, linear_into
+from tests.helpers import sort_by_expert
 
 pytestmark = pytest.mark.skipif(
     not fp32_kernels.available(), reason="no AVX2/FMA CPU or no C compiler: F.linear is used"
@@ -85,11 +86,7 @@ def test_moe_kernel_matches_reference(T, D, Fd, avx512):
     x, w13, w2, w, ids = moe_case(T, D, Fd)
     E, K = w13.shape[0], ids.shape[1]
     ref = moe_reference(x, w13, w2, w, ids)
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts_E = torch.bincount(flat, minlength=E).tolist()
-    experts = [e for e in range(E) if counts_E[e]]
-    counts = [counts_E[e] for e in experts]
+    order, experts, counts = sort_by_expert(ids, E)
     y_RD = fp32_kernels.moe_experts(
         x[order // K], experts, counts, w13, w2, w.reshape(-1)[order], avx512
     )
@@ -231,3 +228,51 @@ def test_routing_kernel_counts_and_appends_the_shared_slot():
         got_w[:, :6].gather(1, order_got.indices), want_w.gather(1, order_want.indices)
     )
     assert torch.equal(counts, 3 + torch.bincount(want_ids.flatten(), minlength=64))
+
+
+# bf16 weights: the same bodies with each weight widened in registers (the bf16 format's
+# kernels without AMX), against the same references on the widened weights
+BF16_ROWS = [1, 3, 5, 12, 13, 33]
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("M", BF16_ROWS)
+@pytest.mark.parametrize("N,K", [(33, 17), (130, 1001), (9, 72)])
+def test_bf16_weights_match_linear(M, N, K, avx512):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+    assert fp32_kernels.usable(x, w)
+    got = fp32_kernels.gemm_nt(x, w, avx512=avx512)
+    torch.testing.assert_close(got, F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
+    bound = fp32_kernels.bind_gemm(w, lambda x_: F.linear(x_, w.float()))  # this CPU's ISA
+    torch.testing.assert_close(bound(x), F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("T,D,Fd", MOE_SHAPES)
+def test_bf16_weights_moe_matches_reference(T, D, Fd, avx512):
+    from moeserve.ops.moe import moe_reference
+
+    x, w13, w2, w, ids = moe_case(T, D, Fd)
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    E, K = w13.shape[0], ids.shape[1]
+    ref = moe_reference(x, w13.float(), w2.float(), w, ids)
+    order, experts, counts = sort_by_expert(ids, E)
+    x_RD, weight_R = x[order // K], w.reshape(-1)[order]
+    assert fp32_kernels.moe_usable(x_RD, counts, w13, w2)
+    y_RD = fp32_kernels.moe_experts(x_RD, experts, counts, w13, w2, weight_R, avx512)
+    got = torch.zeros_like(x).index_add_(0, order // K, y_RD)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_bf16_weights_head_gemm_matches_bmm(avx512):
+    g = torch.Generator().manual_seed(7)
+    H, M, N, K = 5, 13, 33, 40
+    x_HMK = torch.randn(H, M, K, generator=g)
+    w_HNK = torch.randn(H, N, K, generator=g).bfloat16()
+    want = torch.bmm(x_HMK, w_HNK.float().transpose(1, 2))
+    got = fp32_kernels.head_gemm_nt(x_HMK, w_HNK, avx512=avx512)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert fp32_kernels.bind_head_gemm(w_HNK) is not None
+    assert fp32_kernels.head_gemm_nt(x_HMK, w_HNK.half()) is None  # fp16: not a kernel's

@@ -11,6 +11,7 @@ from moeserve.ops.linear import linear, linear_into
 from moeserve.ops.linear import linear as linear_int8
 from moeserve.ops.moe import experts_sorted, moe_grouped, moe_reference
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, quantize_rows
+from tests.helpers import sort_by_expert
 
 needs_kernels = pytest.mark.skipif(
     not int8.available(), reason="no AVX2/FMA CPU or no C compiler: the references are used"
@@ -132,14 +133,12 @@ def test_moe_matches_references(T):
     x, ids, w = _sorted_inputs(T, E, K, D, T)
     oracle = moe_reference(x, w13.dequantize(), w2.dequantize(), w, ids)
     torch.testing.assert_close(moe_grouped(x, w13, w2, w, ids), oracle, rtol=1e-4, atol=1e-3)
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts_E = torch.bincount(flat, minlength=E).tolist()
-    experts = [e for e in range(E) if counts_E[e]]
-    counts = [counts_E[e] for e in experts]
+    order, experts, counts = sort_by_expert(ids, E)
     x_RD, weight_R = x[order // K], w.reshape(-1)[order]
     want = int8.moe_int8_ref(x_RD, experts, counts, w13.data, w2.data, weight_R)
-    got = experts_sorted(x_RD, weight_R, counts_E, w13, w2)
+    got = experts_sorted(
+        x_RD, weight_R, torch.bincount(ids.reshape(-1), minlength=E).tolist(), w13, w2
+    )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     assert int8.moe_usable(x_RD, counts, w13.data, w2.data) == int8.available()
     if int8.available():

@@ -54,7 +54,8 @@ def _generate(path: Path, **kw):
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "qwen3_moe"])
 def test_widened_weights_match_the_oracle(checkpoints, kind, monkeypatch):
-    """Without AMX each GEMM widens its bf16 weight: the oracle's arithmetic exactly."""
+    """Without AMX each GEMM widens its bf16 weight (the fp32 row kernels in registers, or
+    torch per call): the oracle's arithmetic, up to the order of the fp32 sums."""
     monkeypatch.setattr(bf16_amx, "available", lambda: False)
     want = _generate(checkpoints[f"{kind}-oracle"])
     got = _generate(checkpoints[kind], quantization="bf16")
@@ -121,12 +122,21 @@ def test_auto_dtype_picks_bf16_weights_where_amx_runs(monkeypatch, amx_here):
     assert resolve(auto) == (None, torch.float32)
 
 
-@pytest.mark.skipif(not bf16_amx.available(), reason="no AMX here")
-def test_decode_calls_bind_and_match_the_torch_path(checkpoints, monkeypatch):
+@pytest.mark.parametrize("amx", [True, False])
+def test_decode_calls_bind_and_match_the_torch_path(checkpoints, monkeypatch, amx):
     """Decode steps run as the prebound kernel calls (MLA and MoE) on bf16 weights, and agree
-    with the layers' torch paths, which run the same kernels one op at a time."""
+    with the layers' torch paths, which run the same kernels one op at a time: on AMX, and
+    without it on the fp32 row kernels' bf16 bodies."""
+    from moeserve.ops.cpu import fp32 as fp32_kernels
     from moeserve.ops.cpu.mla_decode import MLADecodeCalls
     from moeserve.ops.cpu.moe_decode import MoEDecodeCalls
+
+    if amx and not bf16_amx.available():
+        pytest.skip("no AMX here")
+    if not amx:
+        if not fp32_kernels.available():
+            pytest.skip("no CPU kernels here")
+        monkeypatch.setattr(bf16_amx, "available", lambda: False)
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     llm = LLM(model=str(checkpoints["deepseek_amx"]), quantization="bf16", **ENGINE)
