@@ -115,16 +115,20 @@ def test_scrapes_read_the_engines_snapshot_and_never_ask_the_engine(server, http
     calls_before = http.get("/debug/engine").json()["calls_received"]
     before = _scrape(server.url)
     prompt = "a long generation while someone scrapes"
-    result = {}
+    usages = []
 
     def generate() -> None:
-        result["r"] = client.completions.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=1500,  # long enough for several snapshot intervals on a fast host
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
+        # long generations one after another, until several snapshot intervals have passed
+        # (one of 1500 tokens took 1.15 s on a fast host: under three intervals)
+        while not usages or time.monotonic() - t0 < 4 * STATS_INTERVAL_S:
+            r = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=1500,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            usages.append(r.usage)
 
     worker = threading.Thread(target=generate)
     seen = []  # (snapshot number, requests running, generated tokens) of each scrape
@@ -161,12 +165,14 @@ def test_scrapes_read_the_engines_snapshot_and_never_ask_the_engine(server, http
     assert len({x[2] for x in running}) >= 2
     assert all(a[0] <= b[0] and a[2] <= b[2] for a, b in zip(seen, seen[1:]))  # monotonic
 
-    # idle: the last snapshot holds the finished request's counts
-    usage = result["r"].usage
+    # idle: the last snapshot holds the finished requests' counts
     assert after[("moeserve:num_requests_running", (("engine", "0"),))] == 0
-    assert _delta(after, before, "moeserve:prefix_cache_queries_total") == usage.prompt_tokens
-    computed = usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens
-    computed += usage.completion_tokens - 1
+    prompt_tokens = sum(u.prompt_tokens for u in usages)
+    assert _delta(after, before, "moeserve:prefix_cache_queries_total") == prompt_tokens
+    computed = sum(
+        u.prompt_tokens - u.prompt_tokens_details.cached_tokens + u.completion_tokens - 1
+        for u in usages
+    )
     sums_before, sums_after = _expert_sums(before), _expert_sums(after)
     for layer, total in sums_after.items():
         assert total - sums_before.get(layer, 0.0) == TINY_CONFIG["num_experts_per_tok"] * computed
