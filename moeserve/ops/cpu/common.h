@@ -103,6 +103,24 @@ static inline void silu_mul_row(int64_t F, float *row) {
 }
 #endif
 
+/* The calling thread's scratch `slot` (0 or 1) of at least `bytes`, 64-byte aligned, kept
+ * for its next calls (a decode step makes hundreds; malloc and free each time cost 1-3% of a
+ * small GEMM; OpenMP's threads persist); NULL when it cannot grow. Each source including this
+ * header has its own. */
+static inline void *thread_scratch(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[slot]) {
+        bytes += bytes / 4 + 64 - (bytes + bytes / 4) % 64; /* room to grow, 64-byte multiple */
+        void *p = aligned_alloc(64, bytes);
+        if (!p) return NULL;
+        free(buf[slot]);
+        buf[slot] = p;
+        cap[slot] = bytes;
+    }
+    return buf[slot];
+}
+
 /* fn(j, ctx) for thread t of nt's equal share of the rows j of every group (group g: rows
  * start[g] .. start[g] + count[g]); the groups need not be back to back (an MoE call may
  * leave rows to another path). */

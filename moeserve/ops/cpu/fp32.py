@@ -12,7 +12,7 @@ import ctypes
 import itertools
 import os
 import platform
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -83,6 +83,7 @@ def _library() -> ctypes.CDLL | None:
 _PREFIX = {torch.float32: "moeserve", torch.bfloat16: "moeserve_bf16w"}
 
 
+@cache
 def _entry(name: str, dtype: torch.dtype):
     """The library's ``name`` kernel for weights of ``dtype`` (:data:`_PREFIX`)."""
     return getattr(_library(), f"{_PREFIX[dtype]}_{name}")

@@ -191,7 +191,7 @@ def usable(x: torch.Tensor, w: Int4Tensor) -> bool:
     return few_rows(x, sys.maxsize if wide() else MAX_ROWS) and _rows_ok(w) and available()
 
 
-def _w_args(w: Int4Tensor) -> tuple:
+def w_args(w: Int4Tensor) -> tuple:
     """The weight-side arguments of the GEMM: codes, their row stride in bytes, scales, zero
     points, group size."""
     return (w.q.data_ptr(), w.q.stride(0), w.scale.data_ptr(), w.zero.data_ptr(), w.group_size)
@@ -221,7 +221,7 @@ def gemm_nt(
         K,
         x.data_ptr(),
         x.stride(0),
-        *_w_args(w),
+        *w_args(w),
         out.data_ptr(),
         out.stride(0),
         _isa(level),
@@ -236,7 +236,7 @@ def bind_gemm(w: Int4Tensor, fallback) -> BoundGemm | None:
         return None
     fn = _library().moeserve_int4_gemm_nt_small
     bound = pointers(w.q, w.scale, w.zero)
-    return BoundGemm(fn, tuple(w.shape), _w_args(w), MAX_ROWS, isa(), bound, fallback)
+    return BoundGemm(fn, tuple(w.shape), w_args(w), MAX_ROWS, isa(), bound, fallback)
 
 
 def dequantize_into(w: Int4Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -281,7 +281,7 @@ def mkl_min_rows(level: int | None = None) -> int | None:
     return MKL_MIN_ROWS if _isa(level) in (AVX2, AVX2_IDOT) else MKL_MIN_ROWS_WIDE
 
 
-def _moe_w_args(w13: Int4Tensor, w2: Int4Tensor) -> tuple:
+def moe_w_args(w13: Int4Tensor, w2: Int4Tensor) -> tuple:
     """The weight-side arguments of the MoE call: each projection's codes, scales and zero
     points, then the shared group size."""
     parts = (w13.q, w13.scale, w13.zero, w2.q, w2.scale, w2.zero)
@@ -315,7 +315,7 @@ def moe_experts(
             D,
             F_,
             x_RD.data_ptr(),
-            *_moe_w_args(w13, w2),
+            *moe_w_args(w13, w2),
             weight_R.data_ptr(),
             h.data_ptr(),
             y.data_ptr(),
@@ -332,7 +332,7 @@ class BoundMoE:
     max_rows = MAX_ROWS  # decode batches; more go through moe_experts
 
     def __init__(self, w13: Int4Tensor, w2: Int4Tensor) -> None:
-        self.w_args = _moe_w_args(w13, w2)
+        self.w_args = moe_w_args(w13, w2)
         self.pointers = pointers(*w13.parts(), *w2.parts())
         self.fn = _library().moeserve_int4_moe_small
         self.isa = isa()

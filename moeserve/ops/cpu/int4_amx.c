@@ -51,20 +51,6 @@ static const struct tile_config TILES_K32 = {
 
 static inline void tiles_for(int64_t G) { _tile_loadconfig(G < 64 ? &TILES_K32 : &TILES); }
 
-/* This thread's buffer of unpacked weight rows, at least n bytes (grown as needed and kept
- * for the thread's later calls: OpenMP's threads persist); 0 when it cannot be allocated. */
-static __thread int8_t *unpacked;
-static __thread size_t unpacked_bytes;
-
-static int8_t *unpack_buffer(size_t n) {
-    if (n > unpacked_bytes) {
-        free(unpacked);
-        unpacked = aligned_alloc(64, (n + 63) / 64 * 64);
-        unpacked_bytes = unpacked ? n : 0;
-    }
-    return unpacked;
-}
-
 /* the zero points of the 64 columns from k of a row (zr: its zero points, groups of 1 << sh
  * columns), one per byte lane */
 static inline __m512i zeros64(const uint8_t *zr, int64_t k, int sh) {
@@ -245,7 +231,7 @@ int moeserve_amx_i4_gemm_nt(int64_t M, int64_t N, int64_t K, const float *x, int
             const int64_t rows = M - 16 * mb < 16 ? M - 16 * mb : 16;
             pack_rows_q(rows, K, x + 16 * mb * ldx, ldx, xp + mb * KB * QBLK, xs + 16 * mb);
         }
-        int8_t *wb = unpack_buffer((size_t)32 * K);
+        int8_t *wb = thread_scratch(0, (size_t)32 * K); /* the unpacked rows */
         if (!wb) {
 #pragma omp atomic write
             failed = 1;
@@ -288,7 +274,7 @@ int moeserve_amx_i4_moe(int64_t G, const int64_t *expert, const int64_t *start,
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int8_t *wb = unpack_buffer((size_t)32 * (D > F ? D : F));
+        int8_t *wb = thread_scratch(0, (size_t)32 * (D > F ? D : F)); /* unpacked rows */
         if (!wb) {
 #pragma omp atomic write
             failed = 1;

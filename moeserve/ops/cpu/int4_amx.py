@@ -40,6 +40,7 @@ from moeserve.ops.cpu.bf16_amx import aligned_empty, load_amx_library
 from moeserve.ops.cpu.bound import BoundGemm, MoEBuffers, on_cpu_contiguous, pointers
 from moeserve.ops.cpu.build import I64, INT, PTR
 from moeserve.ops.cpu.int4 import MAX_ROWS as INT4_ROWS
+from moeserve.ops.cpu.int4 import moe_w_args, w_args  # int4.c's argument lists, shared
 from moeserve.ops.cpu.int8 import moe_int8_ref
 from moeserve.ops.cpu.int8_amx import quantize_rows_ref
 from moeserve.quant.int4 import GROUP_SIZES, Int4Tensor, unpack_nibbles
@@ -170,12 +171,6 @@ def usable(x: torch.Tensor, w: Int4Tensor) -> bool:
     )
 
 
-def _w_args(w: Int4Tensor) -> tuple:
-    """The weight-side arguments (int4.c's GEMM's): codes, their row stride in bytes, scales,
-    zero points, group size."""
-    return (w.q.data_ptr(), w.q.stride(0), w.scale.data_ptr(), w.zero.data_ptr(), w.group_size)
-
-
 def gemm_nt(x: torch.Tensor, w: Int4Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``gemm_ref(x, w)`` for fp32 ``x [M, K]`` and ``w [N, K]`` (:func:`usable`), into ``out``
     (fp32 ``[M, N]``, unit-stride rows) when given, by the kernel :func:`route` picks."""
@@ -185,7 +180,16 @@ def gemm_nt(x: torch.Tensor, w: Int4Tensor, out: torch.Tensor | None = None) -> 
         out = torch.empty(M, N, dtype=torch.float32)
     elif out.dtype != torch.float32 or out.stride(-1) != 1:
         raise ValueError(f"the w4a8 GEMM writes fp32 rows, got {out.dtype} {out.stride()}")
-    args = (M, N, K, x.data_ptr(), x.stride(0), *_w_args(w), out.data_ptr(), out.stride(0))
+    args = (
+        M,
+        N,
+        K,
+        x.data_ptr(),
+        x.stride(0),
+        *w_args(w),
+        out.data_ptr(),
+        out.stride(0),
+    )
     if route(M, w) == DOTS:
         failed = int4_kernels.entry("gemm_nt_small")(*args, _dots_level(M))
     else:
@@ -205,10 +209,10 @@ def bind_gemm(w: Int4Tensor, fallback) -> BoundGemm | None:
         fn = int4_kernels.entry("gemm_nt_small")
         tiles = tiles_take(w)
         most = FEW_ROWS - 1 if tiles else _dots_rows()
-        return BoundGemm(fn, tuple(w.shape), _w_args(w), most, _dots_level(1), bound, fallback)
+        return BoundGemm(fn, tuple(w.shape), w_args(w), most, _dots_level(1), bound, fallback)
     if route(1, w) == TILES:
         fn = _library().moeserve_amx_i4_gemm_nt
-        return BoundGemm(fn, tuple(w.shape), _w_args(w), sys.maxsize, 0, bound, fallback)
+        return BoundGemm(fn, tuple(w.shape), w_args(w), sys.maxsize, 0, bound, fallback)
     return None
 
 
@@ -264,11 +268,6 @@ class MoEWorkspace:
         return tuple(t.data_ptr() for t in (self.xp, self.xs, self.h, self.hp, self.hs))
 
 
-def _moe_w_args(w13: Int4Tensor, w2: Int4Tensor) -> tuple:
-    """Each projection's codes, scales and zero points, then the shared group size."""
-    return (*(t.data_ptr() for t in (*w13.parts(), *w2.parts())), w13.group_size)
-
-
 def _check(failed: int, rows: int) -> None:
     if failed:
         raise MemoryError(f"int4 experts of {rows} rows: out of memory for a thread's workspace")
@@ -293,15 +292,15 @@ def moe_experts(
     weight32_R = weight_R.float().contiguous()
     y = torch.empty(R, D, dtype=torch.float32)
     groups = (len(counts), meta[0].data_ptr(), meta[1].data_ptr(), meta[2].data_ptr(), D, F_)
-    w_args = (x_RD.data_ptr(), *_moe_w_args(w13, w2), weight32_R.data_ptr())
+    operands = (x_RD.data_ptr(), *moe_w_args(w13, w2), weight32_R.data_ptr())
     most = max(counts)
     if moe_route(sum(counts) / len(counts), most, w13, w2) == DOTS:
         h = torch.empty(R, 2 * F_, dtype=torch.float32)
         fn = int4_kernels.entry("moe_small")
-        failed = fn(*groups, *w_args, h.data_ptr(), y.data_ptr(), _dots_level(most))
+        failed = fn(*groups, *operands, h.data_ptr(), y.data_ptr(), _dots_level(most))
     else:
         ws = MoEWorkspace(sum(-(-n // 16) * 16 for n in counts), D, F_)
-        failed = _library().moeserve_amx_i4_moe(*groups, *w_args, y.data_ptr(), *ws.pointers())
+        failed = _library().moeserve_amx_i4_moe(*groups, *operands, y.data_ptr(), *ws.pointers())
     _check(failed, R)
     return y
 
@@ -316,7 +315,7 @@ class BoundMoE:
 
     def __init__(self, w13: Int4Tensor, w2: Int4Tensor) -> None:
         self.w13, self.w2 = w13, w2
-        self.w_args = _moe_w_args(w13, w2)
+        self.w_args = moe_w_args(w13, w2)
         self.pointers = pointers(*w13.parts(), *w2.parts())
         self.kind: str | None = None  # the last call's
 

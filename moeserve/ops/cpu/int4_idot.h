@@ -138,30 +138,13 @@ struct idot_rows {
     int grid8;
 };
 
-/* The calling thread's scratch `slot` (0 or 1) of at least `bytes`, kept for its next calls
- * (a decode step makes hundreds; malloc and free each time cost 1-3% of a small GEMM); NULL
- * when it cannot grow. */
-static void *idot_scratch(int slot, size_t bytes) {
-    static __thread void *buf[2];
-    static __thread size_t cap[2];
-    if (bytes > cap[slot]) {
-        bytes += bytes / 4 + 64 - (bytes + bytes / 4) % 64; /* room to grow, 64-byte multiple */
-        void *p = aligned_alloc(64, bytes);
-        if (!p) return NULL;
-        free(buf[slot]);
-        buf[slot] = p;
-        cap[slot] = bytes;
-    }
-    return buf[slot];
-}
-
 /* r's rows in the calling thread's scratch `slot`; -1 when it cannot be had */
 static int idot_alloc(int64_t M, int64_t K, int64_t G, int slot, int grid8,
                       struct idot_rows *t) {
     t->grid8 = grid8;
     const size_t q = (size_t)M * XROW_BYTES(K);
     const size_t cs = (size_t)M * (1 + XS_LD(K / G)) * sizeof(float);
-    t->xq = idot_scratch(slot, q + cs);
+    t->xq = thread_scratch(slot, q + cs);
     if (!t->xq) return -1;
     t->c = (float *)(t->xq + q);
     t->xs = t->c + M;

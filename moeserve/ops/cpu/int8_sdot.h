@@ -35,9 +35,10 @@ struct sd_rows {
     int64_t kp;
 };
 
-static int sd_alloc(int64_t M, int64_t K, struct sd_rows *r) {
+/* r's rows in the calling thread's scratch `slot` (common.h); -1 when it cannot be had */
+static int sd_alloc(int64_t M, int64_t K, int slot, struct sd_rows *r) {
     r->kp = SD_KP(K);
-    r->xh = malloc((size_t)(2 * M * r->kp) + (size_t)M * sizeof(float) + 1);
+    r->xh = thread_scratch(slot, (size_t)(2 * M * r->kp) + (size_t)M * sizeof(float));
     if (!r->xh) return -1;
     r->xl = r->xh + M * r->kp;
     r->c = (float *)(r->xl + M * r->kp);
@@ -92,14 +93,27 @@ static void sd_round_row(int64_t K, const float *x, const struct sd_rows *r, int
     }
 }
 
-/* rows [lo, hi) of x (row stride ldx) into r, first through the gated activation
- * (silu_mul_row: x is the hidden [gate K | up K]) when act is set */
-static void sd_round_rows(int64_t lo, int64_t hi, int64_t K, float *x, int64_t ldx, int act,
-                          const struct sd_rows *r) {
-    for (int64_t i = lo; i < hi; i++) {
-        if (act) silu_mul_row(K, x + i * ldx);
-        sd_round_row(K, x + i * ldx, r, i);
-    }
+struct sd_group_rows {
+    int64_t K, ldx;
+    float *x;
+    int act;
+    const struct sd_rows *r;
+};
+
+/* row j of x into r, first through the gated activation (silu_mul_row: x is the hidden
+ * [gate K | up K]) when act is set */
+static void sd_round_one(int64_t j, void *ctx) {
+    const struct sd_group_rows *c = ctx;
+    if (c->act) silu_mul_row(c->K, c->x + j * c->ldx);
+    sd_round_row(c->K, c->x + j * c->ldx, c->r, j);
+}
+
+/* Thread t of nt's share of the rows of an MoE call's groups (common.h: for_group_rows) */
+static void sd_round_groups(int64_t n_groups, const int64_t *start, const int64_t *count,
+                            int64_t K, float *x, int64_t ldx, int act, const struct sd_rows *r,
+                            int t, int nt) {
+    struct sd_group_rows c = {K, ldx, x, act, r};
+    for_group_rows(n_groups, start, count, t, nt, sd_round_one, &c);
 }
 
 /* rows 0..mb-1 of r (from row m0) against int8 weight rows q0 and q1 (q1 == q0 when !two),
@@ -164,15 +178,14 @@ static void sd_panel(int64_t M, int64_t K, const struct sd_rows *r, int64_t m0, 
 static int gemm_sdot(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                      const int8_t *q, int64_t ldq, const float *scale, float *y, int64_t ldy) {
     struct sd_rows r;
-    if (sd_alloc(M, K, &r)) return -1;
-    sd_round_rows(0, M, K, (float *)x, ldx, 0, &r);
+    if (sd_alloc(M, K, 0, &r)) return -1;
+    for (int64_t i = 0; i < M; i++) sd_round_row(K, x + i * ldx, &r, i);
     const int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) if (N * K >= 65536)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t n0 = p * PANEL, rows = N - n0 < PANEL ? N - n0 : PANEL;
         sd_panel(M, K, &r, 0, q + n0 * ldq, ldq, scale + n0, rows, y + n0, ldy);
     }
-    free(r.xh);
     return 0;
 }
 
@@ -187,18 +200,12 @@ static int moe_sdot(int64_t n_groups, const int64_t *expert, const int64_t *star
     for (int64_t g = 0; g < n_groups; g++)
         R = start[g] + count[g] > R ? start[g] + count[g] : R;
     struct sd_rows rx, rh;
-    if (sd_alloc(R, D, &rx)) return -1;
-    if (sd_alloc(R, F, &rh)) {
-        free(rx.xh);
-        return -1;
-    }
+    if (sd_alloc(R, D, 0, &rx) || sd_alloc(R, F, 1, &rh)) return -1;
     const int64_t panels13 = (2 * F + PANEL - 1) / PANEL, panels2 = (D + PANEL - 1) / PANEL;
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t g = 0; g < n_groups; g++) /* each thread an equal share of each group */
-            sd_round_rows(start[g] + count[g] * t / nt, start[g] + count[g] * (t + 1) / nt, D,
-                          (float *)x, D, 0, &rx);
+        sd_round_groups(n_groups, start, count, D, (float *)x, D, 0, &rx, t, nt);
 #pragma omp barrier
         int64_t lo, end;
         moe_share(n_groups, count, panels13, t, nt, &lo, &end);
@@ -209,9 +216,7 @@ static int moe_sdot(int64_t n_groups, const int64_t *expert, const int64_t *star
                      s13 + e * 2 * F + n0, nr, h + start[g] * 2 * F + n0, 2 * F);
         }
 #pragma omp barrier
-        for (int64_t g = 0; g < n_groups; g++)
-            sd_round_rows(start[g] + count[g] * t / nt, start[g] + count[g] * (t + 1) / nt, F, h,
-                          2 * F, 1, &rh);
+        sd_round_groups(n_groups, start, count, F, h, 2 * F, 1, &rh, t, nt);
 #pragma omp barrier
         moe_share(n_groups, count, panels2, t, nt, &lo, &end);
         for (int64_t job = lo; job < end; job++) {
@@ -226,8 +231,6 @@ static int moe_sdot(int64_t n_groups, const int64_t *expert, const int64_t *star
             }
         }
     }
-    free(rx.xh);
-    free(rh.xh);
     return 0;
 }
 

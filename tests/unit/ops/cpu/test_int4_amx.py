@@ -180,7 +180,7 @@ def test_moe_workspace_reuse_gives_the_same_rows(monkeypatch):
         y = torch.empty(5, D)
         failed = lib.moeserve_amx_i4_moe(
             2, meta[0].data_ptr(), meta[1].data_ptr(), meta[2].data_ptr(), D, F_,
-            x.data_ptr(), *int4_amx._moe_w_args(w13, w2), weight.data_ptr(), y.data_ptr(),
+            x.data_ptr(), *int4_kernels.moe_w_args(w13, w2), weight.data_ptr(), y.data_ptr(),
             *ws.pointers(),
         )  # fmt: skip
         assert failed == 0
