@@ -8,6 +8,12 @@ streams from memory as in a decode step. Reports GFLOP/s (2 M N K per call) and 
 bytes per call); M <= 8 is bound by the read bandwidth, M >= 16 by the FMA throughput.
 
     python benchmarks/fp32_gemm.py [--threads 2] [--rows 1 2 4 8 16 32 48 64 96 128]
+                                   [--weights bf16]
+
+``--weights bf16`` times the same calls on bf16 weights (the bf16 format's kernels where AMX
+does not run: fp32.c's bodies widening each weight in registers, or on aarch64 with the BF16
+extension BFMMLA/BFDOT on rows rounded to bf16), the reference then being ``F.linear`` on the
+weight widened per call, as the format does for rows the kernels do not take.
 
 It also times the per-head GEMMs of MLA's absorbed decode (``fp32_kernels.head_gemm_nt``) and the
 one-call MoE kernel (``fp32_kernels.moe_experts``) on the benchmark model's layer: 64 routed
@@ -62,13 +68,17 @@ def gemm_case(x: torch.Tensor, ws, isas: list[bool]) -> dict[str, float]:
     y = torch.empty(x.shape[0], ws().shape[0])
     return interleaved_ms(
         variants(
-            isas, lambda wide: fp32_kernels.gemm_nt(x, ws(), y, wide), lambda: F.linear(x, ws())
+            isas,
+            lambda wide: fp32_kernels.gemm_nt(x, ws(), y, wide),
+            lambda: F.linear(x, ws().float()),  # .float(): bf16 widened per call, fp32 as is
         )
     )
 
 
-def gemm_rows(N: int, K: int, rows: list[int], isas: list[bool], g: torch.Generator) -> list:
-    ws = cycling(copies(torch.randn(N, K, generator=g)))
+def gemm_rows(
+    N: int, K: int, rows: list[int], isas: list[bool], g: torch.Generator, dtype: torch.dtype
+) -> list:
+    ws = cycling(copies(torch.randn(N, K, generator=g).to(dtype)))
     return [
         dict(N=N, K=K, M=M, ms=gemm_case(torch.randn(M, K, generator=g), ws, isas)) for M in rows
     ]
@@ -79,13 +89,15 @@ def head_case(x: torch.Tensor, ws, isas: list[bool]) -> dict[str, float]:
         variants(
             isas,
             lambda wide: fp32_kernels.head_gemm_nt(x, ws(), avx512=wide),
-            lambda: torch.bmm(x, ws().transpose(1, 2)),
+            lambda: torch.bmm(x, ws().float().transpose(1, 2)),
         )
     )
 
 
-def head_rows(H: int, N: int, K: int, rows: list[int], isas: list[bool], g: torch.Generator):
-    ws = cycling(copies(torch.randn(H, N, K, generator=g)))
+def head_rows(
+    H: int, N: int, K: int, rows: list[int], isas: list[bool], g: torch.Generator, dtype
+) -> list:
+    ws = cycling(copies(torch.randn(H, N, K, generator=g).to(dtype)))
     return [
         dict(H=H, N=N, K=K, M=M, ms=head_case(torch.randn(H, M, K, generator=g), ws, isas))
         for M in rows
@@ -104,20 +116,23 @@ def moe_case(layer, route, x: torch.Tensor, weight: torch.Tensor, isas: list[boo
         y, start = torch.empty_like(x), 0
         for e, n in zip(experts, counts):
             rows = slice(start, start + n)
-            gate, up = F.linear(x[rows], w13[e]).split(F_, dim=-1)
-            torch.mul(F.linear(F.silu(gate) * up, w2[e]), weight[rows, None], out=y[rows])
+            gate, up = F.linear(x[rows], w13[e].float()).split(F_, dim=-1)
+            torch.mul(F.linear(F.silu(gate) * up, w2[e].float()), weight[rows, None], out=y[rows])
             start += n
 
     return interleaved_ms(variants(isas, kernel, loop))
 
 
-def moe_rows(tokens: list[int], isas: list[bool], g: torch.Generator) -> list:
+def moe_rows(tokens: list[int], isas: list[bool], g: torch.Generator, dtype: torch.dtype) -> list:
     """One MoE layer of the benchmark model: 64 routed experts (top-6) and the shared expert
     in slot 64 (every token), D 1024, F 512; each call routes afresh and reads another copy
     of the layer's 409 MB of expert weights, so the experts come from memory."""
     E, D, F_, K = 64, 1024, 512, 6
     layers = [
-        (torch.randn(E + 1, 2 * F_, D, generator=g), torch.randn(E + 1, D, F_, generator=g))
+        (
+            torch.randn(E + 1, 2 * F_, D, generator=g).to(dtype),
+            torch.randn(E + 1, D, F_, generator=g).to(dtype),
+        )
         for _ in range(2)
     ]
     out = []
@@ -137,7 +152,7 @@ def moe_rows(tokens: list[int], isas: list[bool], g: torch.Generator) -> list:
                 T=T,
                 rows=R,
                 experts=n_exp,
-                bytes=n_exp * 3 * F_ * D * 4,
+                bytes=n_exp * 3 * F_ * D * dtype.itemsize,
                 flops=2 * R * 3 * F_ * D,
                 ms=ms,
             )
@@ -159,6 +174,7 @@ def main() -> None:
     ap.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--shapes", default=None, help="N x K list, e.g. 1024x1024,1024x512; none")
     ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--out", default="bench_out/fp32_gemm.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -172,29 +188,35 @@ def main() -> None:
         shapes = [
             tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s != "none"
         ]
-    result = dict(threads=args.threads, machine=platform.processor() or platform.machine())
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.weights]
+    wb = dtype.itemsize
+    result = dict(
+        threads=args.threads,
+        machine=platform.processor() or platform.machine(),
+        weights=args.weights,
+    )
 
-    print("GFLOP/s / GB/s of weight read (best of each in bold)\n")
+    print(f"{args.weights} weights: GFLOP/s / GB/s of weight read (best of each in bold)\n")
     print("| weight (N x K) | M | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))
     result["gemm"] = []
     for N, K in shapes:
-        for r in gemm_rows(N, K, args.rows, isas, g):
+        for r in gemm_rows(N, K, args.rows, isas, g, dtype):
             result["gemm"].append(r)
-            print(fmt_gemm(r, names, 2 * r["M"] * N * K, 4 * N * K, f"{N} x {K}"), flush=True)
+            print(fmt_gemm(r, names, 2 * r["M"] * N * K, wb * N * K, f"{N} x {K}"), flush=True)
         gc.collect()
     result["head_gemm"] = []
     for H, N, K in HEAD_SHAPES:
-        for r in head_rows(H, N, K, [M for M in args.rows if M <= 64], isas, g):
+        for r in head_rows(H, N, K, [M for M in args.rows if M <= 64], isas, g, dtype):
             result["head_gemm"].append(r)
             head = f"per-head {H} x {N} x {K}"
-            print(fmt_gemm(r, names, 2 * r["M"] * H * N * K, 4 * H * N * K, head), flush=True)
+            print(fmt_gemm(r, names, 2 * r["M"] * H * N * K, wb * H * N * K, head), flush=True)
     if not args.skip_moe:
         print("\nMoE layer (64 experts top-6 + shared slot, D 1024, F 512): ms, GB/s of expert")
         print("weight read, GFLOP/s; MKL is the per-expert F.linear loop\n")
         print("| tokens | rows | experts | " + " | ".join(names) + " |")
         print("|---:|---:|---:|" + "---:|" * len(names))
-        result["moe"] = moe_rows(args.moe_tokens, isas, g)
+        result["moe"] = moe_rows(args.moe_tokens, isas, g, dtype)
         for r in result["moe"]:
             cells = [
                 f"{r['ms'][n]:.2f} ms, {r['bytes'] / r['ms'][n] / 1e6:.1f} GB/s, "

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.cpu import int8
-from moeserve.ops.formats.int8 import _blocked
+from moeserve.ops.formats.base import dequantized_blocks
 from moeserve.ops.linear import linear as linear_int8
 from moeserve.quant.int8 import Int8Tensor, quantize_rows
 
@@ -83,7 +83,7 @@ def prefill_row(N: int, K: int, M: int, g: torch.Generator) -> str:
     f32 = best_ms(lambda: F.linear(x, w))
     path = best_ms(lambda: linear_int8(x, t))
     out = torch.empty(M, N)
-    blocks = best_ms(lambda: _blocked(x, t, out))
+    blocks = best_ms(lambda: dequantized_blocks(x, t, out, int8.dequantize_into))
     whole = best_ms(lambda: F.linear(x, t.dequantize()))
     return (
         f"| {N} x {K} | {f32:.2f} | {path:.2f} ({f32 / path:.2f}x) "

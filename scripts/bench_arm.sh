@@ -70,8 +70,10 @@ else
     rows="1 2 4 8 16 32 48 64 96 128" batches=1,8,32,64 prefill=512,2048
 fi
 run fp32_gemm $PY benchmarks/fp32_gemm.py --threads "$threads" --rows $rows --out "$out/fp32_gemm.json"
+run bf16_gemm $PY benchmarks/fp32_gemm.py --threads "$threads" --rows $rows --weights bf16 \
+    --out "$out/bf16_gemm.json"
 run int8_gemm $PY benchmarks/int8_gemm.py --threads "$threads"
 run offline_throughput $PY benchmarks/offline_throughput.py --threads "$threads" \
-    --formats fp32,int8 --batches "$batches" --prefill "$prefill" \
+    --formats fp32,int8,bf16 --batches "$batches" --prefill "$prefill" \
     --out "$out/offline_throughput.json" --plot "$out/offline_throughput.png"
 echo "bench_arm: results in $out (host.txt describes the machine)"

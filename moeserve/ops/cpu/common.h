@@ -156,6 +156,35 @@ static inline void silu_mul_groups(int64_t n_groups, const int64_t *start, const
     for_group_rows(n_groups, start, count, t, nt, silu_mul_one, &s);
 }
 
+/* How a kernel's rounded token rows (int4_idot.h, int8_sdot.h, bf16_mmla.h) take row i from
+ * x (its K columns: the rows' own K) */
+typedef void (*round_row_fn)(const void *rows, int64_t i, const float *x);
+
+struct round_groups_ctx {
+    int64_t K, ldx;
+    float *x;
+    int act;
+    round_row_fn round;
+    const void *rows;
+};
+
+static inline void round_groups_one(int64_t j, void *ctx) {
+    const struct round_groups_ctx *c = ctx;
+    float *row = c->x + j * c->ldx;
+    if (c->act) silu_mul_row(c->K, row);
+    c->round(c->rows, j, row);
+}
+
+/* Thread t of nt's share of the rows of an MoE call's groups (for_group_rows) rounded by
+ * `round` into `rows`: row j of x (row stride ldx, K columns), first through the gated
+ * activation (silu_mul_row: x is the hidden [gate K | up K]) when act is set */
+static inline void round_group_rows(int64_t n_groups, const int64_t *start, const int64_t *count,
+                                    int64_t K, float *x, int64_t ldx, int act,
+                                    round_row_fn round, const void *rows, int t, int nt) {
+    struct round_groups_ctx c = {K, ldx, x, act, round, rows};
+    for_group_rows(n_groups, start, count, t, nt, round_groups_one, &c);
+}
+
 /* the weight stream of an MoE job in token-row equivalents (balanced_first_job) */
 #define MOE_FIXED 8
 

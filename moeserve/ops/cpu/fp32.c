@@ -328,6 +328,12 @@ void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, con
 #endif
 #include "fp32.c" /* the body on bf16 weights */
 #undef SFX
+#if defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+#include "bf16_mmla.h" /* the bf16 weights' calls where the CPU has BFMMLA/BFDOT */
+#define BF16_MMLA(call) (!(call))
+#else
+#define BF16_MMLA(call) 0
+#endif
 #if defined(__ARM_FEATURE_SVE_BITS) && __ARM_FEATURE_SVE_BITS > 0
 #define ARM_F32(name) name##_sve
 #define ARM_B16(name) name##_sve_bf16
@@ -357,11 +363,14 @@ void moeserve_head_gemm_nt_small(int64_t Hh, int64_t M, int64_t N, int64_t K, co
     ARM_F32(head_gemm)(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym);
 }
 
-/* the three above on bf16 weights (x86's moeserve_bf16w_*) */
+/* the three above on bf16 weights (x86's moeserve_bf16w_*): where the CPU has the BF16
+ * extension, with the rows rounded to bf16 on BFMMLA/BFDOT (bf16_mmla.h: AMX's rounding),
+ * else (or where its scratch cannot be had) fp32 rows against the weights widened */
 void moeserve_bf16w_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                                   const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                                   int wide) {
     (void)wide;
+    if (BF16_MMLA(gemm_bf16_mmla(M, N, K, x, ldx, w, ldw, y, ldy))) return;
     ARM_B16(gemm)(M, N, K, x, ldx, w, ldw, y, ldy);
 }
 
@@ -370,6 +379,8 @@ void moeserve_bf16w_moe_small(int64_t n_groups, const int64_t *expert, const int
                               const uint16_t *w13, const uint16_t *w2, const float *route_w,
                               float *h, float *y, int wide) {
     (void)wide;
+    if (BF16_MMLA(moe_bf16_mmla(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y)))
+        return;
     ARM_B16(moe)(n_groups, expert, start, count, D, F, x, w13, w2, route_w, h, y);
 }
 
@@ -378,6 +389,8 @@ void moeserve_bf16w_head_gemm_nt_small(int64_t Hh, int64_t M, int64_t N, int64_t
                                        const uint16_t *w, int64_t swh, int64_t ldw, float *y,
                                        int64_t syh, int64_t sym, int wide) {
     (void)wide;
+    if (BF16_MMLA(head_gemm_bf16_mmla(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym)))
+        return;
     ARM_B16(head_gemm)(Hh, M, N, K, x, sxh, sxm, w, swh, ldw, y, syh, sym);
 }
 

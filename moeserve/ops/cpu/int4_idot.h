@@ -135,12 +135,15 @@ static void idot_round_row(int64_t K, int64_t G, const float *x, int8_t *xq, flo
 struct idot_rows {
     int8_t *xq;
     float *c, *xs;
+    int64_t K, G;
     int grid8;
 };
 
 /* r's rows in the calling thread's scratch `slot`; -1 when it cannot be had */
 static int idot_alloc(int64_t M, int64_t K, int64_t G, int slot, int grid8,
                       struct idot_rows *t) {
+    t->K = K;
+    t->G = G;
     t->grid8 = grid8;
     const size_t q = (size_t)M * XROW_BYTES(K);
     const size_t cs = (size_t)M * (1 + XS_LD(K / G)) * sizeof(float);
@@ -151,36 +154,18 @@ static int idot_alloc(int64_t M, int64_t K, int64_t G, int slot, int grid8,
     return 0;
 }
 
-/* Rows [lo, hi) of x (row stride ldx, K columns) rounded into r: row i at r->xq + i *
- * XROW_BYTES(K), r->c[i] and r->xs + i * XS_LD(K / G). */
-static void idot_round_rows(int64_t lo, int64_t hi, int64_t K, int64_t G, const float *x,
-                            int64_t ldx, const struct idot_rows *r) {
-    for (int64_t i = lo; i < hi; i++)
-        idot_round_row(K, G, x + i * ldx, r->xq + i * XROW_BYTES(K), r->c + i,
-                       r->xs + i * XS_LD(K / G), r->grid8);
+/* x (the rows' K columns) rounded into row i of r (r->xq + i * XROW_BYTES(K), r->c[i],
+ * r->xs + i * XS_LD(K / G)); as common.h's round_group_rows takes it */
+static void idot_round_any(const void *r, int64_t i, const float *x) {
+    const struct idot_rows *t = r;
+    idot_round_row(t->K, t->G, x, t->xq + i * XROW_BYTES(t->K), t->c + i,
+                   t->xs + i * XS_LD(t->K / t->G), t->grid8);
 }
 
-struct idot_group_rows {
-    int64_t K, G, ldx;
-    float *x;
-    int act;
-    const struct idot_rows *r;
-};
-
-static void idot_round_one(int64_t j, void *ctx) {
-    const struct idot_group_rows *c = ctx;
-    if (c->act) silu_mul_row(c->K, c->x + j * c->ldx);
-    idot_round_rows(j, j + 1, c->K, c->G, c->x, c->ldx, c->r);
-}
-
-/* Thread t of nt's share of the rows of an MoE call's groups (for_group_rows), rounded into
- * r: row j of x (row stride ldx, K columns), first through the gated activation
- * (silu_mul_row: x is the hidden [gate K | up K]) when act is set. */
-static void idot_round_groups(int64_t n_groups, const int64_t *start, const int64_t *count,
-                              int64_t K, int64_t G, float *x, int64_t ldx, int act,
-                              const struct idot_rows *r, int t, int nt) {
-    struct idot_group_rows c = {K, G, ldx, x, act, r};
-    for_group_rows(n_groups, start, count, t, nt, idot_round_one, &c);
+/* Rows [lo, hi) of x (row stride ldx) rounded into r */
+static void idot_round_rows(int64_t lo, int64_t hi, const float *x, int64_t ldx,
+                            const struct idot_rows *r) {
+    for (int64_t i = lo; i < hi; i++) idot_round_any(r, i, x + i * ldx);
 }
 
 /* ---- AVX2: 8 lanes, a step of 64 columns (32 code bytes), half a block ---- */
@@ -453,12 +438,12 @@ static int ICAT(gemm_idot, ISFX)(int64_t M, int64_t N, int64_t K, const float *x
     const int64_t panels = (N + PANEL - 1) / PANEL, ng = K / G;
     /* a few rows are rounded before the threads start, more by the threads (then a barrier) */
     const int alone = M * K <= 16384;
-    if (alone) idot_round_rows(0, M, K, G, x, ldx, &t);
+    if (alone) idot_round_rows(0, M, x, ldx, &t);
 #pragma omp parallel if (N * K >= 65536)
     {
         if (!alone) {
             const int th = omp_get_thread_num(), nt = omp_get_num_threads();
-            idot_round_rows(M * th / nt, M * (th + 1) / nt, K, G, x, ldx, &t);
+            idot_round_rows(M * th / nt, M * (th + 1) / nt, x, ldx, &t);
 #pragma omp barrier
         }
 #pragma omp for schedule(static)
@@ -491,7 +476,7 @@ static int ICAT(moe_idot, ISFX)(int64_t n_groups, const int64_t *expert, const i
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        idot_round_groups(n_groups, start, count, D, G, (float *)x, D, 0, &rx, t, nt);
+        round_group_rows(n_groups, start, count, D, (float *)x, D, 0, idot_round_any, &rx, t, nt);
 #pragma omp barrier
         int64_t lo13, end13;
         moe_share(n_groups, count, panels13, t, nt, &lo13, &end13);
@@ -505,7 +490,7 @@ static int ICAT(moe_idot, ISFX)(int64_t n_groups, const int64_t *expert, const i
                                    h + j * 2 * F + n0, 2 * F);
         }
 #pragma omp barrier
-        idot_round_groups(n_groups, start, count, F, G, h, 2 * F, 1, &rh, t, nt);
+        round_group_rows(n_groups, start, count, F, h, 2 * F, 1, idot_round_any, &rh, t, nt);
 #pragma omp barrier
         int64_t lo2, end2;
         moe_share(n_groups, count, panels2, t, nt, &lo2, &end2);

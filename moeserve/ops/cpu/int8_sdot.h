@@ -32,11 +32,12 @@
 struct sd_rows {
     int8_t *xh, *xl;
     float *c;
-    int64_t kp;
+    int64_t K, kp;
 };
 
 /* r's rows in the calling thread's scratch `slot` (common.h); -1 when it cannot be had */
 static int sd_alloc(int64_t M, int64_t K, int slot, struct sd_rows *r) {
+    r->K = K;
     r->kp = SD_KP(K);
     r->xh = thread_scratch(slot, (size_t)(2 * M * r->kp) + (size_t)M * sizeof(float));
     if (!r->xh) return -1;
@@ -93,27 +94,10 @@ static void sd_round_row(int64_t K, const float *x, const struct sd_rows *r, int
     }
 }
 
-struct sd_group_rows {
-    int64_t K, ldx;
-    float *x;
-    int act;
-    const struct sd_rows *r;
-};
-
-/* row j of x into r, first through the gated activation (silu_mul_row: x is the hidden
- * [gate K | up K]) when act is set */
-static void sd_round_one(int64_t j, void *ctx) {
-    const struct sd_group_rows *c = ctx;
-    if (c->act) silu_mul_row(c->K, c->x + j * c->ldx);
-    sd_round_row(c->K, c->x + j * c->ldx, c->r, j);
-}
-
-/* Thread t of nt's share of the rows of an MoE call's groups (common.h: for_group_rows) */
-static void sd_round_groups(int64_t n_groups, const int64_t *start, const int64_t *count,
-                            int64_t K, float *x, int64_t ldx, int act, const struct sd_rows *r,
-                            int t, int nt) {
-    struct sd_group_rows c = {K, ldx, x, act, r};
-    for_group_rows(n_groups, start, count, t, nt, sd_round_one, &c);
+/* sd_round_row as common.h's round_group_rows takes it */
+static void sd_round_any(const void *r, int64_t i, const float *x) {
+    const struct sd_rows *rows = r;
+    sd_round_row(rows->K, x, rows, i);
 }
 
 /* rows 0..mb-1 of r (from row m0) against int8 weight rows q0 and q1 (q1 == q0 when !two),
@@ -205,7 +189,7 @@ static int moe_sdot(int64_t n_groups, const int64_t *expert, const int64_t *star
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        sd_round_groups(n_groups, start, count, D, (float *)x, D, 0, &rx, t, nt);
+        round_group_rows(n_groups, start, count, D, (float *)x, D, 0, sd_round_any, &rx, t, nt);
 #pragma omp barrier
         int64_t lo, end;
         moe_share(n_groups, count, panels13, t, nt, &lo, &end);
@@ -216,7 +200,7 @@ static int moe_sdot(int64_t n_groups, const int64_t *expert, const int64_t *star
                      s13 + e * 2 * F + n0, nr, h + start[g] * 2 * F + n0, 2 * F);
         }
 #pragma omp barrier
-        sd_round_groups(n_groups, start, count, F, h, 2 * F, 1, &rh, t, nt);
+        round_group_rows(n_groups, start, count, F, h, 2 * F, 1, sd_round_any, &rh, t, nt);
 #pragma omp barrier
         moe_share(n_groups, count, panels2, t, nt, &lo, &end);
         for (int64_t job = lo; job < end; job++) {

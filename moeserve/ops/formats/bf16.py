@@ -3,8 +3,9 @@
 packed), for decode and prefill alike. Where AMX does not run (x86 without it, aarch64), the
 few-row fp32 kernels' bodies take the bf16 weights as they are, widened in registers, with
 fp32 rows (``ops/cpu/fp32.c``: the GEMM, the one-call MoE, the per-head GEMM; exact in the
-weights, as widening them in torch is). Elsewhere (more rows without AMX, other dtypes) the
-weight is widened per call.
+weights, as widening them in torch is); on an aarch64 CPU with the BF16 extension they round
+the rows to bf16 once per call, as AMX does, and run on BFMMLA/BFDOT (``bf16_mmla.h``).
+Elsewhere (more rows without AMX, other dtypes) the weight is widened per call.
 
 Under ``--quantization bf16`` (and ``dtype="auto"`` on a CPU with AMX) the weights of every
 projection and expert are held in bf16, rounded to nearest as they load (lossless from a

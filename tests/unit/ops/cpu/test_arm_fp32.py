@@ -2,7 +2,10 @@
 qemu (tests/arm/qemu.py), on test_fp32.py's cases, against the same references and bounds:
 the few-row GEMM (``F.linear``), the one-call MoE (``moe_reference``), the per-head GEMM
 (``torch.bmm``), RMSNorm and routing; and the GEMMs' twins on bf16 weights (the bf16 format's
-kernels on ARM), against the references on the widened weights."""
+kernels on ARM), against the references on the widened weights. Where the CPU reports the
+BF16 extension (the SVE-256 one), those twins run on BFMMLA/BFDOT (bf16_mmla.h) and are held
+to the references on rows rounded to bf16 (and the MoE hidden rounded once), as
+test_bf16_amx.py holds AMX; elsewhere (NEON, SVE-512) to the exact ones."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from moeserve.ops.moe import moe_reference
 from moeserve.ops.routing import route_grouped_sigmoid
 from tests.arm import qemu
 from tests.helpers import sort_by_expert
+from tests.unit.ops.cpu.test_bf16_amx import bf, moe_ref
 from tests.unit.ops.cpu.test_fp32 import (
     GEMM_ROWS,
     GEMM_SHAPES,
@@ -109,15 +113,39 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint16).numpy()
 
 
-@pytest.mark.parametrize("M", [1, 3, 12, 13, 33])
+def _rows(cpu: str, x: torch.Tensor) -> torch.Tensor:
+    """The token rows a bf16-weight call multiplies on ``cpu``: rounded to bf16 where it has
+    BFMMLA/BFDOT, as they are elsewhere."""
+    return bf(x) if qemu.has(cpu, "bf16") else x
+
+
+# M: BFDOT's one row, an odd count (the zero row), a full 12-row block, blocks and a tail;
+# (N, K): last jobs of 1, 2 and 3 weight rows, K below one step, K % 16 of 9 and of 8
+@pytest.mark.parametrize("M", [1, 2, 3, 12, 13, 33])
 def test_bf16_weights_gemm_on_arm(driver, M):
     cpu, binary = driver
-    for N, K in [(33, 17), (130, 1001), (9, 72)]:
+    for N, K in [(33, 17), (130, 1001), (9, 72), (7, 5)]:
         g = torch.Generator().manual_seed(M * 1000 + N + K)
         x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
         (y,) = qemu.run(binary, cpu, [qemu.dims(5, M, N, K), x.numpy(), _bits(w)])
-        want = F.linear(x, w.float())
+        want = F.linear(_rows(cpu, x), w.float())
         torch.testing.assert_close(torch.from_numpy(y).view(M, N), want, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_weights_nan_row_stays_in_its_row_on_arm(driver):
+    """A nan in one token row makes that row's outputs nan and no other's (BFMMLA pairs rows:
+    its partner row's lanes are separate sums)."""
+    cpu, binary = driver
+    g = torch.Generator().manual_seed(3)
+    M, N, K = 5, 9, 40
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+    x[2, 7] = float("nan")
+    (y,) = qemu.run(binary, cpu, [qemu.dims(5, M, N, K), x.numpy(), _bits(w)])
+    got = torch.from_numpy(y).view(M, N)
+    assert got[2].isnan().all()
+    keep = [0, 1, 3, 4]
+    want = F.linear(_rows(cpu, x[keep]), w.float())
+    torch.testing.assert_close(got[keep], want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("T,D,Fd", MOE_SHAPES)
@@ -139,15 +167,19 @@ def test_bf16_weights_moe_on_arm(driver, T, D, Fd):
     ]
     (y,) = qemu.run(binary, cpu, arrays)
     got = torch.zeros_like(x).index_add_(0, order // K, torch.from_numpy(y).view(-1, D))
-    ref = moe_reference(x, w13.float(), w2.float(), w, ids)
+    if qemu.has(cpu, "bf16"):
+        ref = moe_ref(x, w13, w2, w, ids)
+    else:
+        ref = moe_reference(x, w13.float(), w2.float(), w, ids)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
 
 
-def test_bf16_weights_head_gemm_on_arm(driver):
+@pytest.mark.parametrize("M", [1, 4, 13])
+def test_bf16_weights_head_gemm_on_arm(driver, M):
     cpu, binary = driver
-    g = torch.Generator().manual_seed(7)
-    H, M, N, K = 5, 13, 33, 40
+    g = torch.Generator().manual_seed(7 + M)
+    H, N, K = 5, 33, 40
     x, w = torch.randn(H, M, K, generator=g), torch.randn(H, N, K, generator=g).bfloat16()
     (y,) = qemu.run(binary, cpu, [qemu.dims(7, H, M, N, K), x.numpy(), _bits(w)])
-    want = torch.bmm(x, w.float().transpose(1, 2))
+    want = torch.bmm(_rows(cpu, x), w.float().transpose(1, 2))
     torch.testing.assert_close(torch.from_numpy(y).view(H, M, N), want, rtol=1e-5, atol=1e-4)

@@ -1,10 +1,11 @@
 """ops/cpu/int8.c's aarch64 bodies (NEON, and SVE at two vector lengths) built and run under
 qemu (tests/arm/qemu.py), on test_int8.py's cases, against the same references and bounds:
 the weight-only few-row GEMM (``linear_int8_ref``), the one-call MoE (``moe_int8_ref``) and
-the dequantization that prefill hands to BLAS. The SVE CPUs report the dot product, so their
-calls of up to ``int8.SDOT_MAX_ROWS`` rows run on SDOT (int8_sdot.h) and are held to the
+the dequantization that prefill hands to BLAS. The SVE-256 CPU reports the dot product, so
+its calls of up to ``int8.SDOT_MAX_ROWS`` rows run on SDOT (int8_sdot.h) and are held to the
 references on rows rounded as it rounds them (``int4.round_rows_ref``); the NEON CPU (a
-Cortex-A72) has no dot product and runs the fp32 form on every call."""
+Cortex-A72) and the SVE-512 one (an A64FX) have no dot product and run the fp32 form on
+every call."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ driver = qemu.driver_fixture("int8")
 
 def sdot(cpu: str, rows: int) -> bool:
     """Whether a call of ``rows`` rows (an MoE call: its largest expert's) runs on SDOT."""
-    return "asimddp" in qemu.CPUS[cpu][1].split() and rows <= int8.SDOT_MAX_ROWS
+    return qemu.has(cpu, "asimddp") and rows <= int8.SDOT_MAX_ROWS
 
 
 def rounded_ref(x: torch.Tensor, w) -> torch.Tensor:
