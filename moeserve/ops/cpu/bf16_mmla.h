@@ -112,7 +112,7 @@ static inline __attribute__((always_inline)) void bm_block(const int mp, int64_t
                                                            int nw, float *y, int64_t ldy,
                                                            int64_t pf) {
     const uint16_t *x[2 * BM_RP];
-    for (int i = 0; i < 2 * mp; i++) x[i] = bm_row(r, i < rows ? m0 + i : r->zero);
+    for (int i = 0; i < 2 * mp && i < 2 * BM_RP; i++) x[i] = bm_row(r, i < rows ? m0 + i : r->zero);
     float32x4_t a[BM_RP][2];
     for (int i = 0; i < BM_RP; i++) a[i][0] = a[i][1] = vdupq_n_f32(0.0f);
     const int64_t kv = K - K % 8;

@@ -177,13 +177,19 @@ void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
 #include "int8.c" /* this file: its body, for this ISA */
 #if defined(__ARM_FEATURE_DOTPROD)
 #include "int8_sdot.h"
-/* token rows up to which the dot products run (a GEMM's; an MoE call's largest expert's):
- * the converted-chunk form shares each conversion among more rows */
+/* token rows up to which the integer form runs (a GEMM's; an MoE call's largest expert's):
+ * on SDOT alone the converted-chunk form shares each conversion among more rows; SMMLA takes
+ * 32 products an instruction to the fp32 form's 4 (NEON) and has no limit */
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define SDOT_MAX_ROWS INT64_MAX
+#else
 #define SDOT_MAX_ROWS 12
+#endif
 #endif
 
 /* On a CPU with the dot product (SDOT), up to SDOT_MAX_ROWS rows take int8_sdot.h: the rows
- * rounded to 16-bit fixed point (where its scratch cannot be had, the fp32 form runs) */
+ * rounded to 16-bit fixed point, on SMMLA from two rows where the CPU has it (where its
+ * scratch cannot be had, the fp32 form runs) */
 void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                                  const int8_t *q, int64_t ldq, const float *scale, float *y,
                                  int64_t ldy, int wide) {

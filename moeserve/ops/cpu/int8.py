@@ -9,7 +9,9 @@ and for AVX-512F; :func:`wide` picks AVX-512F where the CPU has it (``MOESERVE_C
 keeps AVX2). On aarch64 one body per build (NEON, or SVE at the CPU's vector length), and
 where the CPU has the dot product (``asimddp``) calls of up to :data:`SDOT_MAX_ROWS` rows (an
 MoE call's: its largest expert's) run on SDOT with each row rounded to 16-bit fixed point,
-``int4.round_rows_ref``'s rounding (``int8_sdot.h``; tests/unit/ops/cpu/test_arm_int8.py).
+``int4.round_rows_ref``'s rounding (``int8_sdot.h``; tests/unit/ops/cpu/test_arm_int8.py);
+where it also has the int8 matrix multiply (``i8mm``) calls of any row count do, those of two
+rows or more on SMMLA.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from moeserve.quant.int8 import Int8Tensor
 
 _SOURCE = Path(__file__).with_name("int8.c")
 MAX_ROWS = 64
-SDOT_MAX_ROWS = 12  # int8.c, aarch64 with the dot product: rows the SDOT form takes
+SDOT_MAX_ROWS = 12  # int8.c, aarch64 with the dot product but no i8mm: rows SDOT takes
 # In one MoE call, an expert with at least this many rows is dequantized and runs as two MKL
 # GEMMs instead of in the kernel (fp32.MKL_MIN_ROWS is the fp32 twin). With the AVX2
 # kernel (benchmarks/moe_prefill.py --format int8 with MKL limited to AVX2 too) from 64 rows:

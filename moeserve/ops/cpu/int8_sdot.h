@@ -1,5 +1,5 @@
-/* Weight-only int8 GEMMs and MoE calls on the Armv8.2 dot product (SDOT, `asimddp`), for
- * int8.c's aarch64 body, few token rows at a time.
+/* Weight-only int8 GEMMs and MoE calls on the Armv8.2 dot product (SDOT, `asimddp`) and,
+ * where the CPU has it, the int8 matrix multiply (SMMLA, `i8mm`), for int8.c's aarch64 body.
  *
  * The token rows are rounded once per call to 16-bit fixed point, one scale per row, and
  * split into two signed byte planes, as int4_idot.h takes them on x86:
@@ -8,8 +8,8 @@
  *   xi = xh * 256 + xl                                   (xh, xl in [-128, 127])
  *   y[i, n] = c[i] * scale[n] * (256 * sum_k q[n, k] xh[i, k] + sum_k q[n, k] xl[i, k])
  *
- * Each sum is exact in int32 lanes (a lane adds K / 16 dots of 4 products of at most
- * 127 * 128: 75M at K = 18432). So the result is the reference's on x rounded per row to
+ * Each sum is exact in int32 lanes (a lane adds K products of at most 127 * 128: 300M at
+ * K = 18432). So the result is the reference's on x rounded per row to
  * 2^-16 of its largest |x| (ops/cpu/int4.py round_rows_ref), ~1e-5 of an output, far below
  * int8's own rounding of the weights. Per 16 weights and token row the dots take 2 SDOT
  * where the fp32 form takes 4 FMAs and 11 conversions per 16 weights: the weight stream, not
@@ -17,7 +17,9 @@
  *
  * Token rows are planes of SD_KP(K) bytes (zero padded to 16); a pair of weight rows is dotted
  * with blocks of SD_MB token rows (4 int32 accumulators a row: 24 + 4 of 32 registers); the
- * weights' last K % 16 columns are summed in scalar code. The MoE call rounds the groups' rows,
+ * weights' last K % 16 columns are summed in scalar code. With SMMLA, calls of two rows or more
+ * take it instead (below: pairs of rows against pairs of weight rows, twice SDOT's products an
+ * instruction), with no limit on the rows. The MoE call rounds the groups' rows,
  * runs the gate/up pairs, the gated activation, rounds the hidden, then the down pairs, in one
  * parallel region as int8.c's moe body. Included by int8.c where the build has +dotprod; not a
  * translation unit of its own. */
@@ -28,21 +30,25 @@
 #define SD_KP(K) (((K) + 15) / 16 * 16)
 #define SD_MB 6
 
-/* The rounded rows of a call: row i's planes at xh + i * kp and xl + i * kp, its scale c[i] */
+/* The rounded rows of a call: row i's planes at xh + i * kp and xl + i * kp, its scale c[i];
+ * row `zero` (after the last) all zeros, the partner of an odd last row in SMMLA's pairs */
 struct sd_rows {
     int8_t *xh, *xl;
     float *c;
-    int64_t K, kp;
+    int64_t K, kp, zero;
 };
 
 /* r's rows in the calling thread's scratch `slot` (common.h); -1 when it cannot be had */
 static int sd_alloc(int64_t M, int64_t K, int slot, struct sd_rows *r) {
     r->K = K;
     r->kp = SD_KP(K);
+    r->zero = M++;
     r->xh = thread_scratch(slot, (size_t)(2 * M * r->kp) + (size_t)M * sizeof(float));
     if (!r->xh) return -1;
     r->xl = r->xh + M * r->kp;
     r->c = (float *)(r->xl + M * r->kp);
+    memset(r->xh + r->zero * r->kp, 0, (size_t)r->kp);
+    memset(r->xl + r->zero * r->kp, 0, (size_t)r->kp);
     return 0;
 }
 
@@ -141,9 +147,123 @@ static inline __attribute__((always_inline)) void sd_block(const int mb, const i
     }
 }
 
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+/* ---- SMMLA (`i8mm`): two token rows and two weight rows meet in one instruction, a [2 x 8]
+ * byte block of each (the pair's 8-column slices side by side: two 64-bit zips of the rows'
+ * loads) adding their [2 x 2] int32 products, 32 products an instruction where SDOT adds 16.
+ * A job is 4 weight rows against blocks of SM_RP row pairs, each plane in its own
+ * accumulators (16 + 4 weight + 4 row registers); an odd last row pairs with the zero row;
+ * the weights' last K % 16 columns come from a zeroed copy (the planes are zero padded). ---- */
+#define SM_RP 4
+
+/* [a's 8 bytes | b's 8 bytes] and the next 8 of each */
+static inline void sm_zip(const int8_t *a, const int8_t *b, int8x16_t *lo, int8x16_t *hi) {
+    const int64x2_t u = vreinterpretq_s64_s8(vld1q_s8(a)), v = vreinterpretq_s64_s8(vld1q_s8(b));
+    *lo = vreinterpretq_s8_s64(vzip1q_s64(u, v));
+    *hi = vreinterpretq_s8_s64(vzip2q_s64(u, v));
+}
+
+/* One step of 16 columns: row pairs i < mp (planes xh[2 i], xh[2 i + 1] and xl's, at column
+ * k) against the weight rows w[0..3] (each at its column): a[i][j][plane] */
+static inline __attribute__((always_inline)) void sm_step(const int mp, const int8_t **xh,
+                                                          const int8_t **xl, int64_t k,
+                                                          const int8_t *const *w,
+                                                          int32x4_t a[SM_RP][2][2]) {
+    int8x16_t b[2][2];
+    sm_zip(w[0], w[1], &b[0][0], &b[0][1]);
+    sm_zip(w[2], w[3], &b[1][0], &b[1][1]);
+#pragma GCC unroll 4
+    for (int i = 0; i < SM_RP; i++) {
+        if (i < mp) {
+            int8x16_t h[2], l[2];
+            sm_zip(xh[2 * i] + k, xh[2 * i + 1] + k, &h[0], &h[1]);
+            sm_zip(xl[2 * i] + k, xl[2 * i + 1] + k, &l[0], &l[1]);
+            for (int j = 0; j < 2; j++) {
+                for (int u = 0; u < 2; u++) {
+                    a[i][j][0] = vmmlaq_s32(a[i][j][0], h[u], b[j][u]);
+                    a[i][j][1] = vmmlaq_s32(a[i][j][1], l[u], b[j][u]);
+                }
+            }
+        }
+    }
+}
+
+/* rows m0 + 2 i (+ 1) of r, i < mp, against the 4 int8 weight rows qr (the first nw real,
+ * scales s): y[:, 0:nw] of the `rows` real token rows */
+static inline __attribute__((always_inline)) void sm_block(const int mp, int64_t K,
+                                                           const struct sd_rows *r, int64_t m0,
+                                                           int64_t rows, const int8_t **qr,
+                                                           int nw, const float *s, float *y,
+                                                           int64_t ldy) {
+    const int8_t *xh[2 * SM_RP], *xl[2 * SM_RP];
+    for (int i = 0; i < 2 * mp && i < 2 * SM_RP; i++) {
+        const int64_t row = i < rows ? m0 + i : r->zero;
+        xh[i] = r->xh + row * r->kp;
+        xl[i] = r->xl + row * r->kp;
+    }
+    int32x4_t a[SM_RP][2][2];
+    for (int i = 0; i < SM_RP; i++)
+        for (int j = 0; j < 2; j++) a[i][j][0] = a[i][j][1] = vdupq_n_s32(0);
+    const int64_t kv = K - K % 16;
+    for (int64_t k = 0; k < kv; k += 16) {
+        const int8_t *w[4];
+        for (int j = 0; j < 4; j++) {
+            PREFETCH_T0(qr[j] + k + PREFETCH);
+            w[j] = qr[j] + k;
+        }
+        sm_step(mp, xh, xl, k, w, a);
+    }
+    if (kv < K) {
+        int8_t t[4][16];
+        const int8_t *w[4];
+        for (int j = 0; j < 4; j++) {
+            for (int u = 0; u < 16; u++) t[j][u] = kv + u < K ? qr[j][kv + u] : 0;
+            w[j] = t[j];
+        }
+        sm_step(mp, xh, xl, kv, w, a);
+    }
+    for (int i = 0; i < mp; i++) {
+        for (int j = 0; j < 2; j++) {
+            int32_t h[4], l[4]; /* (row 2i, w 2j), (2i, 2j + 1), (2i + 1, 2j), (2i + 1, 2j + 1) */
+            vst1q_s32(h, a[i][j][0]);
+            vst1q_s32(l, a[i][j][1]);
+            for (int u = 0; u < 4; u++) {
+                const int row = 2 * i + u / 2, col = 2 * j + u % 2;
+                if (row < rows && col < nw)
+                    y[row * ldy + col] =
+                        (float)((int64_t)h[u] * 256 + l[u]) * r->c[m0 + row] * s[col];
+            }
+        }
+    }
+}
+
 /* rows m0 .. m0 + M of r against the `rows` (<= PANEL) int8 weight rows at q (scales s) */
+static void sm_panel(int64_t M, int64_t K, const struct sd_rows *r, int64_t m0, const int8_t *q,
+                     int64_t ldq, const float *s, int64_t rows, float *y, int64_t ldy) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int nw = rows - r0 < 4 ? (int)(rows - r0) : 4;
+        const int8_t *qr[4];
+        for (int j = 0; j < 4; j++) qr[j] = q + (r0 + (j < nw ? j : 0)) * ldq;
+        for (int64_t i0 = 0; i0 < M; i0 += 2 * SM_RP) {
+            const int64_t left = M - i0;
+#define CALL_SM(mp) sm_block(mp, K, r, m0 + i0, left, qr, nw, s + r0, y + i0 * ldy + r0, ldy)
+            DISPATCH_MB((left + 1) / 2, SM_RP, CALL_SM)
+#undef CALL_SM
+        }
+    }
+}
+#endif
+
+/* rows m0 .. m0 + M of r against the `rows` (<= PANEL) int8 weight rows at q (scales s):
+ * from two token rows on SMMLA where the CPU has it, else (and for one row) SDOT */
 static void sd_panel(int64_t M, int64_t K, const struct sd_rows *r, int64_t m0, const int8_t *q,
                      int64_t ldq, const float *s, int64_t rows, float *y, int64_t ldy) {
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+    if (M >= 2) {
+        sm_panel(M, K, r, m0, q, ldq, s, rows, y, ldy);
+        return;
+    }
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += 2) {
         const int two = r0 + 1 < rows;
         const int8_t *q0 = q + r0 * ldq, *q1 = q0 + (two ? ldq : 0);
