@@ -1,4 +1,4 @@
-/* The fp32 vector of the aarch64 kernel bodies (fp32.c, int8.c): the macros their
+/* The fp32 vector of the aarch64 kernel bodies (fp32.c, int8.c, attention.c): the macros their
  * macro-generated bodies are written in (as each x86 body defines them for AVX2 and
  * AVX-512F), for SVE where the build fixed the vector length (-msve-vector-bits, from the
  * CPU's: ops/cpu/build.py), else for NEON. Fixed-length SVE vectors can be held in arrays and
@@ -7,6 +7,7 @@
  * translation unit of its own.
  *   W      lanes;  SFX  the body's name suffix (_sve, _neon);  VF  the vector type
  *   VZERO() VLOADU(p) VLOAD(p) VSTORE(p, v) VFMA(a, b, c) = a * b + c  VADD(a, b)
+ *   VMUL(a, b)  VDUP(s) every lane s
  *   VHSUM(v) the sum of the lanes;  VLOADQ(q) W int8 values (sign-extended) as W floats */
 #ifndef MOESERVE_ARM_VEC_H
 #define MOESERVE_ARM_VEC_H
@@ -33,6 +34,8 @@ typedef svfloat32_t vf_sve __attribute__((arm_sve_vector_bits(__ARM_FEATURE_SVE_
 #define VSTORE(p, v) svst1_f32(svptrue_b32(), p, v)
 #define VFMA(a, b, c) svmla_f32_x(svptrue_b32(), c, a, b)
 #define VADD(a, b) svadd_f32_x(svptrue_b32(), a, b)
+#define VMUL(a, b) svmul_f32_x(svptrue_b32(), a, b)
+#define VDUP(s) svdup_n_f32(s)
 #define VHSUM(v) svaddv_f32(svptrue_b32(), v)
 #define VLOADQ(q) svcvt_f32_s32_x(svptrue_b32(), svld1sb_s32(svptrue_b32(), q))
 #else
@@ -46,6 +49,8 @@ typedef float32x4_t vf_neon;
 #define VSTORE(p, v) vst1q_f32(p, v)
 #define VFMA(a, b, c) vfmaq_f32(c, a, b)
 #define VADD(a, b) vaddq_f32(a, b)
+#define VMUL(a, b) vmulq_f32(a, b)
+#define VDUP(s) vdupq_n_f32(s)
 #define VHSUM(v) vaddvq_f32(v)
 #define VLOADQ(q) q8x4(q)
 #endif

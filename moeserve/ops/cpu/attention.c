@@ -28,8 +28,9 @@
  * head strides are free too (MLA writes [H, B, C] for the W_UV bmm that follows).
  *
  * The vector helpers (scores, values, the softmax's max and exponentials, the bf16 widening)
- * exist for AVX2+FMA and for aarch64's NEON; the tiles, the splits and the merge around them
- * are plain C.
+ * exist for AVX2+FMA and for aarch64 (the scores and values in arm_vec.h's vectors: SVE at
+ * the build's length, else NEON; the rest NEON); the tiles, the splits and the merge around
+ * them are plain C.
  */
 #include <math.h>
 #include <omp.h>
@@ -110,6 +111,9 @@ static void score_block(int mh, int mt, int64_t Dk, const float *q, const float 
         }
 }
 
+#define VCOLS 8 /* columns of one value vector */
+#define VB_NV 2 /* vectors of a wide value block */
+
 /* acc[i][c0 .. c0 + 8 * NV) = acc[i] * alpha[i] + sum_t p[i][t] * val_t for heads i < mh <= 4;
  * missing heads repeat head 0 and are not stored. */
 static inline __attribute__((always_inline)) void value_block(
@@ -187,6 +191,13 @@ static inline float exp_sum(float *sh, int64_t nt, float mx) {
 }
 
 #elif defined(__aarch64__)
+/* The scores and the value update in arm_vec.h's vectors: SVE where the build fixed its
+ * length (W lanes), else NEON's 4; the softmax's helpers and the bf16 widening below are
+ * NEON's on every aarch64 CPU (a tile is 32 tokens). */
+#include "arm_vec.h"
+#define VCOLS W /* columns of one value vector */
+#define VB_NV 4 /* vectors of a wide value block: 16 accumulators of 32 registers */
+
 /* s[i * TILE + j] = q_i . k_j for heads i < mh <= 4 and tokens j < mt <= 2, as the AVX2
  * body: missing heads and tokens repeat the first one (computed, not stored). */
 static void score_block(int mh, int mt, int64_t Dk, const float *q, const float *const *key,
@@ -194,46 +205,48 @@ static void score_block(int mh, int mt, int64_t Dk, const float *q, const float 
     const float *qs[4] = {q, q + (mh > 1 ? Dk : 0), q + (mh > 2 ? 2 * Dk : 0),
                           q + (mh > 3 ? 3 * Dk : 0)};
     const float *k0 = key[0], *k1 = key[mt > 1 ? 1 : 0];
-    float32x4_t a[4][2];
-    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = vdupq_n_f32(0.0f);
+    VF a[4][2];
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = VZERO();
     int64_t d = 0;
-    for (; d + 4 <= Dk; d += 4) {
-        const float32x4_t x0 = vld1q_f32(k0 + d), x1 = vld1q_f32(k1 + d);
+    for (; d + W <= Dk; d += W) {
+        const VF x0 = VLOADU(k0 + d), x1 = VLOADU(k1 + d);
         for (int i = 0; i < 4; i++) {
-            const float32x4_t w = vld1q_f32(qs[i] + d);
-            a[i][0] = vfmaq_f32(a[i][0], w, x0);
-            a[i][1] = vfmaq_f32(a[i][1], w, x1);
+            const VF w = VLOADU(qs[i] + d);
+            a[i][0] = VFMA(w, x0, a[i][0]);
+            a[i][1] = VFMA(w, x1, a[i][1]);
         }
     }
     for (int i = 0; i < mh; i++)
         for (int j = 0; j < mt; j++) {
-            float v = vaddvq_f32(a[i][j]);
+            float v = VHSUM(a[i][j]);
             for (int64_t t = d; t < Dk; t++) v += qs[i][t] * key[j][t];
             s[i * TILE + j] = v;
         }
 }
 
-/* acc[i][c0 .. c0 + 8 * NV) = acc[i] * alpha[i] + sum_t p[i][t] * val_t for heads i < mh <= 4
- * (8 columns: two NEON vectors); missing heads repeat head 0 and are not stored. */
+/* acc[i][c0 .. c0 + VCOLS * NV) = acc[i] * alpha[i] + sum_t p[i][t] * val_t for heads
+ * i < mh <= 4 (NV <= VB_NV vectors); missing heads repeat head 0 and are not stored. */
 static inline __attribute__((always_inline)) void value_block(
     const int NV, int mh, int64_t nt, int64_t c0, const float *p, const float *alpha,
     const float *const *val, float *acc, int64_t acc_sh) {
-    float32x4_t a[4][4];
+    VF a[4][VB_NV];
     const float *pr[4];
     for (int i = 0; i < 4; i++) {
         const int ii = i < mh ? i : 0;
         pr[i] = p + ii * TILE;
-        for (int k = 0; k < 2 * NV; k++)
-            a[i][k] = vmulq_n_f32(vld1q_f32(acc + ii * acc_sh + c0 + 4 * k), alpha[ii]);
+        for (int k = 0; k < NV; k++)
+            a[i][k] = VMUL(VLOADU(acc + ii * acc_sh + c0 + W * k), VDUP(alpha[ii]));
     }
     for (int64_t t = 0; t < nt; t++) {
-        float32x4_t x[4];
-        for (int k = 0; k < 2 * NV; k++) x[k] = vld1q_f32(val[t] + c0 + 4 * k);
-        for (int i = 0; i < 4; i++)
-            for (int k = 0; k < 2 * NV; k++) a[i][k] = vfmaq_n_f32(a[i][k], x[k], pr[i][t]);
+        VF x[VB_NV];
+        for (int k = 0; k < NV; k++) x[k] = VLOADU(val[t] + c0 + W * k);
+        for (int i = 0; i < 4; i++) {
+            const VF w = VDUP(pr[i][t]);
+            for (int k = 0; k < NV; k++) a[i][k] = VFMA(x[k], w, a[i][k]);
+        }
     }
     for (int i = 0; i < mh; i++)
-        for (int k = 0; k < 2 * NV; k++) vst1q_f32(acc + i * acc_sh + c0 + 4 * k, a[i][k]);
+        for (int k = 0; k < NV; k++) VSTORE(acc + i * acc_sh + c0 + W * k, a[i][k]);
 }
 
 /* n bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32) */
@@ -321,8 +334,10 @@ static void tile_step(const Params *P, int64_t nt, const float *q, const float *
         const float *p = s + h0 * TILE;
         float *ah = acc + h0 * acc_sh;
         int64_t c = 0;
-        for (; c + 16 <= Dv; c += 16) value_block(2, mh, nt, c, p, alpha + h0, val, ah, acc_sh);
-        for (; c + 8 <= Dv; c += 8) value_block(1, mh, nt, c, p, alpha + h0, val, ah, acc_sh);
+        for (; c + VB_NV * VCOLS <= Dv; c += VB_NV * VCOLS)
+            value_block(VB_NV, mh, nt, c, p, alpha + h0, val, ah, acc_sh);
+        for (; c + VCOLS <= Dv; c += VCOLS)
+            value_block(1, mh, nt, c, p, alpha + h0, val, ah, acc_sh);
         for (; c < Dv; c++)
             for (int i = 0; i < mh; i++) {
                 float v = ah[i * acc_sh + c] * alpha[h0 + i];

@@ -1,7 +1,7 @@
-"""ops/cpu/attention.c's aarch64 body (NEON; the SVE CPUs run it too) built and run under
-qemu (tests/arm/qemu.py): test_paged_decode_attention.py's checks, MLA and GQA, fp32 and bf16
-caches, with the kernel call (``attention._call``) sent to the emulated build instead of the
-x86 one, against the same gather references and bounds."""
+"""ops/cpu/attention.c's aarch64 body (its scores and value updates on SVE for the SVE CPUs,
+NEON otherwise) built and run under qemu (tests/arm/qemu.py): test_paged_decode_attention.py's
+checks, MLA and GQA, fp32 and bf16 caches, with the kernel call (``attention._call``) sent to
+the emulated build instead of the x86 one, against the same gather references and bounds."""
 
 from __future__ import annotations
 
