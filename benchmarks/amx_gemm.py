@@ -11,7 +11,11 @@ Projection ``x [M, K] @ w.T`` with ``w [N, K]`` at token rows M from decode to p
                 quantized per token; from 16 rows unpacked to int8 tiles (int4_amx.c),
                 fewer on int4's integer dots (VNNI)
     int8        the weight-only int8 kernel, fp32 rows (--quantization int8, int8.c)
-    int4        the weight-only int4 kernel, fp32 rows (--quantization int4, int4.c)
+    int4        the weight-only int4 kernel, fp32 rows (int4.c: what --quantization int4
+                runs without AMX, and on AMX below int4_amx.ROWS16_MIN rows)
+    int4 tiles  int4 on the int8 tiles in its own numerics (int4_amx.c with rows16: each
+                row in 16-bit fixed point on two byte planes), what --quantization int4 runs
+                on AMX from int4_amx.ROWS16_MIN rows
     fp32        ops/linear.linear on the fp32 weight (moeserve's fp32 kernel or MKL)
 
 and the routed-expert call of one MoE layer (benchmark model shapes, 64 experts, top 6) at
@@ -42,13 +46,16 @@ from moeserve.ops.linear import linear
 from moeserve.quant.int4 import Int4Tensor, quantize_groups
 from moeserve.quant.int8 import Int8Tensor, quantize_rows
 
-PROJECTIONS = ("amx f32-x", "amx bf16-x", "onednn", "amx w8a8", "w4a8", "int8", "int4", "fp32")
-MOE = ("amx bf16", "amx w8a8", "w4a8", "int8", "int4", "fp32")
-INT8_TILES = ("amx w8a8", "w4a8")  # left out without AMX-INT8
+PROJECTIONS = (
+    "amx f32-x", "amx bf16-x", "onednn", "amx w8a8", "w4a8", "int8", "int4", "int4 tiles", "fp32"
+)  # fmt: skip
+MOE = ("amx bf16", "amx w8a8", "w4a8", "int8", "int4", "int4 tiles", "fp32")
+INT8_TILES = ("amx w8a8", "w4a8", "int4 tiles")  # left out without AMX-INT8
 
 # bytes per weight element (int4: codes, and an fp32 scale and a zero byte per 128); else bf16's
 INT4_BYTES = 0.5 + 5 / 128
 WEIGHT_BYTES = {"fp32": 4, "int8": 1, "amx w8a8": 1, "int4": INT4_BYTES, "w4a8": INT4_BYTES}
+WEIGHT_BYTES["int4 tiles"] = INT4_BYTES
 
 
 def weight_bytes(variant: str) -> float:
@@ -95,6 +102,9 @@ def projections(args) -> list[dict]:
             "w4a8": lambda x32=x32, out32=out32: int4_amx.gemm_nt(x32, w4, out=out32),
             "int8": lambda x32=x32, out32=out32: int8_kernels.gemm_nt(x32, w8, out=out32),
             "int4": lambda x32=x32, out32=out32: int4_kernels.gemm_nt(x32, w4, out=out32),
+            "int4 tiles": lambda x32=x32, out32=out32: int4_amx.gemm_nt(
+                x32, w4, out=out32, rows16=True
+            ),
             "fp32": lambda x32=x32: linear(x32, w32),
         }
         for name in INT8_TILES if not int8_amx.available() else ():
@@ -138,6 +148,7 @@ def moe_calls(args) -> list[dict]:
             "w4a8": lambda a=args4: int4_amx.moe_experts(*a),
             "int8": lambda a=args8: int8_kernels.moe_experts(*a),
             "int4": lambda a=args4: int4_kernels.moe_experts(*a),
+            "int4 tiles": lambda a=args4: int4_amx.moe_experts(*a, rows16=True),
             "fp32": lambda a=args32: fp32_kernels.moe_experts(*a),
         }
         for name in INT8_TILES if not int8_amx.available() else ():

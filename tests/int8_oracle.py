@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeserve.ops.cpu import int4
+from moeserve.ops.cpu import int4, int4_amx
 from moeserve.quant.int8 import quantize_rows
 
 
@@ -64,14 +64,15 @@ def write_int8_oracle(src: Path, dst: Path, tp: int = 1) -> Path:
 def assert_int4_outputs(got, want, rounds: bool | None = None) -> None:
     """An int4 engine's greedy outputs (``prompt_logprobs=0``) against the fp32 engine's on its
     dequantized weights (write_int4_oracle): the same tokens, and the prompt logprobs to 1e-4
-    where the kernels compute in fp32. The integer dots (``rounds``; by default whether they
-    run here) take each GEMM's rows rounded to 2^-16 of their largest |x|
+    where the kernels compute in fp32. The integer dots and AMX's tiles (``rounds``; by
+    default whether either runs here) take each GEMM's rows rounded to 2^-16 of their largest
+    |x|
     (ops/cpu/int4.py round_rows_ref): ~1e-5 of most logprobs, but a near tie of an MoE router
     can then pick the other expert for one token (seen: 0.01 at one position of 89, then
     ~1e-3 where later tokens attend to it), so most positions to 1e-4 and all to 0.05 (the
     bound w8a8_int8's engines are held to)."""
     if rounds is None:
-        rounds = int4.available() and int4.rounds_rows(None, 1)
+        rounds = (int4.available() and int4.rounds_rows(None, 1)) or int4_amx.available()
     gaps = []
     for a, b in zip(got, want, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

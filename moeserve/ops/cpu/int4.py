@@ -91,16 +91,25 @@ def linear_int4_ref(x: torch.Tensor, w: Int4Tensor) -> torch.Tensor:
     return F.linear(x.float(), w.dequantize())
 
 
-def round_rows_ref(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., K]`` rounded per row as the integer-dot kernels take it: to the multiples of
-    ``max|row| / 32639`` (ties to even), so :func:`linear_int4_ref` of it is what they
-    compute, up to the order of the fp32 sums. A row with a nan or an inf becomes all nan."""
+def rows16_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` in 16-bit fixed point per row, as the integer-dot kernels (and int4 on
+    AMX's tiles) take it: the integers ``xi`` (fp32, ``|xi| <= XMAX``, ties to even) and the
+    rows' scales ``c = max|row| / XMAX`` (``[..., 1]``), ``x ~ xi * c``; a row with a nan or
+    an inf gets scale nan."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(float(XMAX)) / amax, torch.zeros_like(amax))
     xi = torch.round(x * inv).clamp(-XMAX, XMAX)
-    out = xi * (amax / XMAX)
-    return torch.where(torch.isfinite(x).all(dim=-1, keepdim=True), out, torch.nan)
+    finite = torch.isfinite(x).all(dim=-1, keepdim=True)
+    return torch.where(finite, xi, 0.0), torch.where(finite, amax / XMAX, torch.nan)
+
+
+def round_rows_ref(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` rounded per row as the integer-dot kernels take it: to the multiples of
+    ``max|row| / 32639`` (:func:`rows16_ref`), so :func:`linear_int4_ref` of it is what they
+    compute, up to the order of the fp32 sums. A row with a nan or an inf becomes all nan."""
+    xi, c = rows16_ref(x)
+    return xi * c
 
 
 def linear_isa_ref(x: torch.Tensor, w: Int4Tensor, level: int | None = None) -> torch.Tensor:
@@ -229,14 +238,15 @@ def gemm_nt(
     return out
 
 
-def bind_gemm(w: Int4Tensor, fallback) -> BoundGemm | None:
-    """:func:`gemm_nt` for up to ``MAX_ROWS`` rows with ``w`` bound; None where the kernel does
-    not take ``w``."""
+def bind_gemm(w: Int4Tensor, fallback, max_rows: int = MAX_ROWS) -> BoundGemm | None:
+    """:func:`gemm_nt` for up to ``max_rows`` (at most ``MAX_ROWS``) rows with ``w`` bound;
+    more go to ``fallback``. None where the kernel does not take ``w``."""
     if not (available() and w.q.dim() == 2 and _rows_ok(w)):
         return None
     fn = _library().moeserve_int4_gemm_nt_small
     bound = pointers(w.q, w.scale, w.zero)
-    return BoundGemm(fn, tuple(w.shape), w_args(w), MAX_ROWS, isa(), bound, fallback)
+    most = min(max_rows, MAX_ROWS)
+    return BoundGemm(fn, tuple(w.shape), w_args(w), most, isa(), bound, fallback)
 
 
 def dequantize_into(w: Int4Tensor, out: torch.Tensor) -> torch.Tensor:

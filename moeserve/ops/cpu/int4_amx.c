@@ -106,12 +106,16 @@ struct out4 {
 };
 
 /* acc[n][m] += t[n][m] * s[n * ng] for the 16 rows of a tile (s: the group's scale of its
- * first weight row) */
-static inline void scale_add(float *acc, const int32_t *t, const float *s, int64_t ng) {
+ * first weight row); with tl (two planes), t the high bytes' sums and tl the low ones':
+ * 256 t + tl (exact in int32: a group's sums are at most 128 * 128 * 15 each) */
+static inline void scale_add(float *acc, const int32_t *t, const int32_t *tl, const float *s,
+                             int64_t ng) {
     for (int n = 0; n < 16; n++) {
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(t + 16 * n));
+        __m512i d = _mm512_load_si512(t + 16 * n);
+        if (tl) d = _mm512_add_epi32(_mm512_slli_epi32(d, 8), _mm512_load_si512(tl + 16 * n));
         const __m512 a = _mm512_load_ps(acc + 16 * n);
-        _mm512_store_ps(acc + 16 * n, _mm512_fmadd_ps(v, _mm512_set1_ps(s[n * ng]), a));
+        _mm512_store_ps(acc + 16 * n,
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s[n * ng]), a));
     }
 }
 
@@ -161,17 +165,19 @@ static inline __attribute__((always_inline)) void group_k(int nr, int two, int64
 
 /* Weight rows n0 .. n0 + nr (nr 16 or 32), unpacked at wb (rows K apart; their scales at sc,
  * ng a row), against the M packed token rows at xp: output columns n0 .. n0 + nr of every
- * row. */
+ * row. One plane (lp 0): two token blocks at a time, in accumulators 0/2 and 1/3. Two planes
+ * (the low bytes lp bytes after the high ones): one token block at a time, its high bytes in
+ * accumulators 0/2 and its low bytes in 1/3 (the second block's places), added per group. */
 static void job4(int64_t K, int64_t G, const int8_t *wb, const float *sc, int nr,
-                 const int8_t *xp, int64_t M, int64_t n0, const struct out4 *o) {
+                 const int8_t *xp, int64_t lp, int64_t M, int64_t n0, const struct out4 *o) {
     const int64_t KB = K / 64, MB = (M + 15) / 16, ng = K / G;
     const int kt = G < 64 ? (int)G : 64;
     const int8_t *a0 = wb, *a1 = wb + 16 * K;
     float acc[4][256] __attribute__((aligned(64)));
     int32_t t[4][256] __attribute__((aligned(64)));
-    for (int64_t mb = 0; mb < MB; mb += 2) {
-        const int two = mb + 1 < MB;
-        const int8_t *b0 = xp + mb * KB * QBLK, *b1 = b0 + KB * QBLK;
+    for (int64_t mb = 0; mb < MB; mb += lp ? 1 : 2) {
+        const int two = lp || mb + 1 < MB, blocks = lp ? 1 : two + 1;
+        const int8_t *b0 = xp + mb * KB * QBLK, *b1 = lp ? b0 + lp : b0 + KB * QBLK;
         memset(acc, 0, sizeof(acc));
         for (int64_t g = 0; g < ng; g++) {
             _tile_zero(0);
@@ -187,41 +193,37 @@ static void job4(int64_t K, int64_t G, const int8_t *wb, const float *sc, int nr
             else
                 group_k(16, 0, g * G, G, kt, a0, a1, K, b0, b1);
             _tile_stored(0, t[0], 64);
-            scale_add(acc[0], t[0], sc + g, ng);
-            if (two) {
-                _tile_stored(1, t[1], 64);
-                scale_add(acc[1], t[1], sc + g, ng);
-            }
-            if (nr == 32) {
-                _tile_stored(2, t[2], 64);
-                scale_add(acc[2], t[2], sc + 16 * ng + g, ng);
-            }
-            if (nr == 32 && two) {
-                _tile_stored(3, t[3], 64);
-                scale_add(acc[3], t[3], sc + 16 * ng + g, ng);
-            }
+            if (two) _tile_stored(1, t[1], 64);
+            if (nr == 32) _tile_stored(2, t[2], 64);
+            if (nr == 32 && two) _tile_stored(3, t[3], 64);
+            scale_add(acc[0], t[0], lp ? t[1] : 0, sc + g, ng);
+            if (blocks == 2) scale_add(acc[1], t[1], 0, sc + g, ng);
+            if (nr == 32) scale_add(acc[2], t[2], lp ? t[3] : 0, sc + 16 * ng + g, ng);
+            if (nr == 32 && blocks == 2) scale_add(acc[3], t[3], 0, sc + 16 * ng + g, ng);
         }
         const int64_t m0 = 16 * mb;
         emit(acc[0], m0, M - m0, n0, o);
-        if (two) emit(acc[1], m0 + 16, M - m0 - 16, n0, o);
+        if (blocks == 2) emit(acc[1], m0 + 16, M - m0 - 16, n0, o);
         if (nr == 32) emit(acc[2], m0, M - m0, n0 + 16, o);
-        if (nr == 32 && two) emit(acc[3], m0 + 16, M - m0 - 16, n0 + 16, o);
+        if (nr == 32 && blocks == 2) emit(acc[3], m0 + 16, M - m0 - 16, n0 + 16, o);
     }
 }
 
-/* out[M, N] = the w4a8 product of fp32 x[M, K] (row stride ldx) and int4 weights (codes q,
- * ldq bytes a row; scales sc and zero points zp [N, K / G]); fp32 out (ldo). The argument list
- * of int4.c's few-row GEMM (ops/linear.py: BoundLinear binds either). Jobs are 32 weight rows,
- * an equal run of them per thread. Returns 0, or -1 when a workspace cannot be allocated. */
+/* out[M, N] = the product of fp32 x[M, K] (row stride ldx) and int4 weights (codes q, ldq
+ * bytes a row; scales sc and zero points zp [N, K / G]); fp32 out (ldo): the rows on their
+ * int8 grids (w4a8_int8), or with rows16 in 16-bit fixed point on two planes (int4's
+ * numerics). The argument list of int4.c's few-row GEMM, whose isa argument is rows16 here
+ * (ops/linear.py: BoundLinear binds either). Jobs are 32 weight rows, an equal run of them
+ * per thread. Returns 0, or -1 when a workspace cannot be allocated. */
 int moeserve_amx_i4_gemm_nt(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                             const uint8_t *q, int64_t ldq, const float *sc, const uint8_t *zp,
-                            int64_t G, float *out, int64_t ldo, int unused) {
-    (void)unused;
+                            int64_t G, float *out, int64_t ldo, int rows16) {
     const int64_t KB = K / 64, MB = (M + 15) / 16, J = (N + 31) / 32, ng = K / G;
-    const size_t xp_bytes = (size_t)(MB * 16 * K + 63) / 64 * 64;
-    int8_t *xp = aligned_alloc(64, xp_bytes + (size_t)MB * 16 * sizeof(float));
+    const size_t plane = (size_t)(MB * 16 * K + 63) / 64 * 64, planes = rows16 ? 2 : 1;
+    const int64_t lp = rows16 ? (int64_t)plane : 0;
+    int8_t *xp = aligned_alloc(64, planes * plane + (size_t)MB * 16 * sizeof(float));
     if (!xp) return -1;
-    float *xs = (float *)(xp + xp_bytes);
+    float *xs = (float *)(xp + planes * plane);
     int failed = 0;
     const int par = J > 1 && (N * K >= 65536 || M * N * K >= (1 << 22));
 #pragma omp parallel if (par)
@@ -229,7 +231,7 @@ int moeserve_amx_i4_gemm_nt(int64_t M, int64_t N, int64_t K, const float *x, int
 #pragma omp for schedule(static)
         for (int64_t mb = 0; mb < MB; mb++) {
             const int64_t rows = M - 16 * mb < 16 ? M - 16 * mb : 16;
-            pack_rows_q(rows, K, x + 16 * mb * ldx, ldx, xp + mb * KB * QBLK, xs + 16 * mb);
+            pack_rows_q(rows, K, x + 16 * mb * ldx, ldx, xp + mb * KB * QBLK, lp, xs + 16 * mb);
         }
         int8_t *wb = thread_scratch(0, (size_t)32 * K); /* the unpacked rows */
         if (!wb) {
@@ -243,7 +245,7 @@ int moeserve_amx_i4_gemm_nt(int64_t M, int64_t N, int64_t K, const float *x, int
             for (int64_t j = lo; j < hi; j++) {
                 const int nr = N - 32 * j >= 32 ? 32 : 16;
                 unpack_rows(nr, K, G, q + 32 * j * ldq, ldq, zp + 32 * j * ng, ng, wb);
-                job4(K, G, wb, sc + 32 * j * ng, nr, xp, M, 32 * j, &o);
+                job4(K, G, wb, sc + 32 * j * ng, nr, xp, lp, M, 32 * j, &o);
             }
             _tile_release();
         }
@@ -256,19 +258,21 @@ int moeserve_amx_i4_gemm_nt(int64_t M, int64_t N, int64_t K, const float *x, int
  * start[g] + count[g] of x [R, D] (fp32), for expert expert[g] of the int4 w13 [E, 2F, D]
  * (gate rows then up rows: codes q13, scales s13 and zero points z13 [E, 2F, D / G]) and
  * w2 [E, D, F] (q2, s2, z2 [E, D, F / G]), one group size G; y[r] = weight[r] * w2 . (silu(gate)
- * * up) (fp32), the rows of x and the hidden each quantized per row. Workspaces for P =
- * sum_g ceil(count[g] / 16) * 16 rows: xp [P, D] and hp [P, F] int8 (64-byte aligned), xs and
- * hs [P] fp32, h [P, 2F] fp32 (by column per group: the group's 2F columns of its padded
- * rows). Returns 0, or -1 when a thread's unpack buffer cannot be allocated (y then
- * incomplete). */
+ * * up) (fp32), the rows of x and the hidden each quantized per row (to int8, or with
+ * rows16 to 16-bit fixed point on two planes, as the GEMM). Workspaces for P =
+ * sum_g ceil(count[g] / 16) * 16 rows: xp [planes, P, D] and hp [planes, P, F] int8 (64-byte
+ * aligned; planes 2 with rows16, else 1), xs and hs [P] fp32, h [P, 2F] fp32 (by column per
+ * group: the group's 2F columns of its padded rows). Returns 0, or -1 when a thread's unpack
+ * buffer cannot be allocated (y then incomplete). */
 int moeserve_amx_i4_moe(int64_t G, const int64_t *expert, const int64_t *start,
                         const int64_t *count, int64_t D, int64_t F, const float *x,
                         const uint8_t *q13, const float *s13, const uint8_t *z13,
                         const uint8_t *q2, const float *s2, const uint8_t *z2, int64_t group,
                         const float *weight, float *y, int8_t *xp, float *xs, float *h,
-                        int8_t *hp, float *hs) {
+                        int8_t *hp, float *hs, int rows16) {
     int64_t first_block[G > 0 ? G : 1]; /* packed 16-row blocks before each group */
-    group_blocks(G, count, first_block);
+    const int64_t P = 16 * group_blocks(G, count, first_block);
+    const int64_t lpx = rows16 ? P * D : 0, lph = rows16 ? P * F : 0; /* the low planes */
     const int64_t J13 = 2 * F / 32, J2 = D / 32, ng13 = D / group, ng2 = F / group;
     int failed = 0;
 #pragma omp parallel
@@ -281,7 +285,7 @@ int moeserve_amx_i4_moe(int64_t G, const int64_t *expert, const int64_t *start,
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < G; g++)
-            pack_rows_q(count[g], D, x + start[g] * D, D, xp + first_block[g] * 16 * D,
+            pack_rows_q(count[g], D, x + start[g] * D, D, xp + first_block[g] * 16 * D, lpx,
                         xs + first_block[g] * 16);
         if (wb) {
             tiles_for(group);
@@ -293,8 +297,8 @@ int moeserve_amx_i4_moe(int64_t G, const int64_t *expert, const int64_t *start,
                 const struct out4 o = {h + first_block[g] * 16 * 2 * F, pad,
                                        xs + 16 * first_block[g], 0, 1};
                 unpack_rows(32, D, group, q13 + row * (D / 2), D / 2, z13 + row * ng13, ng13, wb);
-                job4(D, group, wb, s13 + row * ng13, 32, xp + first_block[g] * 16 * D, count[g],
-                     32 * j, &o);
+                job4(D, group, wb, s13 + row * ng13, 32, xp + first_block[g] * 16 * D, lpx,
+                     count[g], 32 * j, &o);
             }
         }
 #pragma omp barrier
@@ -303,7 +307,7 @@ int moeserve_amx_i4_moe(int64_t G, const int64_t *expert, const int64_t *start,
             const int64_t pad = (count[g] + 15) / 16 * 16, b0 = first_block[g];
             for (int64_t mb = 0; mb < pad / 16; mb++)
                 activate_pack(F, (int32_t *)(h + b0 * 16 * 2 * F + 16 * mb), pad, 0, 0,
-                              hp + (b0 + mb) * 16 * F, hs + 16 * (b0 + mb));
+                              hp + (b0 + mb) * 16 * F, lph, hs + 16 * (b0 + mb));
         }
         if (wb) {
             int64_t lo, hi;
@@ -313,8 +317,8 @@ int moeserve_amx_i4_moe(int64_t G, const int64_t *expert, const int64_t *start,
                 const struct out4 o = {y + start[g] * D, D, hs + 16 * first_block[g],
                                        weight + start[g], 0};
                 unpack_rows(32, F, group, q2 + row * (F / 2), F / 2, z2 + row * ng2, ng2, wb);
-                job4(F, group, wb, s2 + row * ng2, 32, hp + first_block[g] * 16 * F, count[g],
-                     32 * j, &o);
+                job4(F, group, wb, s2 + row * ng2, 32, hp + first_block[g] * 16 * F, lph,
+                     count[g], 32 * j, &o);
             }
             _tile_release();
         }

@@ -53,12 +53,26 @@ K_ALIGN, N_ALIGN = 64, 16  # a packed token block holds 64 int8 of k; a tile 16 
 # at 4, the tiles at 8 / 32 rows 1.8x / 4.2x the dots (docs/benchmarks.md)
 FEW_ROWS = 4
 TILES, DOTS = "tiles", "dots"
+# int4's own numerics on the tiles (``rows16``): each row in 16-bit fixed point
+# (``int4.rows16_ref``, the rounding of int4's integer dots) on two byte planes, a tile
+# product per plane. The int4 format runs products of this many rows or more (a projection's;
+# an MoE call's rows an expert on average) there instead of on its dots or fp32 panels
+# (benchmarks/amx_gemm.py, group 128, 2 threads, Xeon with AMX; docs/benchmarks.md "int4 on
+# AMX's tiles"): a 2816 x 2048 projection 0.82x int4's integer dots at 4 rows, 1.1x at 5, 1.26x
+# at 6, 1.5x at 8, 4x from 32; the benchmark model's MoE call 0.72x at 4 rows an expert, 1.14x
+# at 6, 1.2x at 8, 2.7x at 48
+ROWS16_MIN = 6
 
 
-def gemm_ref(x: torch.Tensor, w: Int4Tensor) -> torch.Tensor:
-    """Reference of :func:`gemm_nt`: each group's integer sum exact (in fp64), times the
-    group's scale and summed in fp32, times the row's scale."""
-    xq, s = quantize_rows_ref(x)
+def gemm_ref(x: torch.Tensor, w: Int4Tensor, rows16: bool = False) -> torch.Tensor:
+    """Reference of :func:`gemm_nt`: the rows on their int8 grids (w4a8_int8), or with
+    ``rows16`` in 16-bit fixed point (int4's, ``int4.rows16_ref``); each group's integer sum
+    exact (in fp64), times the group's scale and summed in fp32, times the row's scale."""
+    if rows16:
+        xq, s = int4_kernels.rows16_ref(x)
+        s = s.squeeze(-1)
+    else:
+        xq, s = quantize_rows_ref(x)
     N, K = w.shape
     G = w.group_size
     u = unpack_nibbles(w.q).double().view(N, K // G, G) - w.zero.double().unsqueeze(-1)
@@ -73,10 +87,13 @@ def moe_ref(
     w13: Int4Tensor,
     w2: Int4Tensor,
     weight_R: torch.Tensor,
+    rows16: bool = False,
 ) -> torch.Tensor:
     """Reference of :func:`moe_experts`: each group's gated FFN with :func:`gemm_ref` (the rows
-    and the hidden quantized per row), times the routing weights."""
-    return moe_int8_ref(x_RD.float(), experts, counts, w13, w2, weight_R, gemm=gemm_ref)
+    and the hidden quantized per row, to int8 or with ``rows16`` to 16 bits), times the routing
+    weights."""
+    gemm = lambda x, w: gemm_ref(x, w, rows16)  # noqa: E731
+    return moe_int8_ref(x_RD.float(), experts, counts, w13, w2, weight_R, gemm=gemm)
 
 
 @lru_cache(maxsize=1)
@@ -95,7 +112,7 @@ def _library():
         lib,
         "moeserve_amx_i4_moe",
         *(I64, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64),
-        *(PTR, PTR, PTR, PTR, PTR, PTR, PTR),
+        *(PTR, PTR, PTR, PTR, PTR, PTR, PTR, INT),
     )
     lib.moeserve_amx_i4_moe.restype = INT
     return lib
@@ -158,8 +175,7 @@ def route(rows: int, w: Int4Tensor) -> str | None:
     return TILES if tiles else None
 
 
-def usable(x: torch.Tensor, w: Int4Tensor) -> bool:
-    """Whether :func:`gemm_nt` runs a kernel for fp32 ``x [M, K]`` (unit-stride rows)."""
+def _rows_ok(x: torch.Tensor, w: Int4Tensor) -> bool:
     return (
         x.dtype == torch.float32
         and x.device.type == "cpu"
@@ -167,13 +183,27 @@ def usable(x: torch.Tensor, w: Int4Tensor) -> bool:
         and x.shape[0] > 0
         and x.stride(1) == 1
         and w.q.dim() == 2
-        and route(x.shape[0], w) is not None
     )
 
 
-def gemm_nt(x: torch.Tensor, w: Int4Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``gemm_ref(x, w)`` for fp32 ``x [M, K]`` and ``w [N, K]`` (:func:`usable`), into ``out``
-    (fp32 ``[M, N]``, unit-stride rows) when given, by the kernel :func:`route` picks."""
+def usable(x: torch.Tensor, w: Int4Tensor) -> bool:
+    """Whether :func:`gemm_nt` runs a kernel for fp32 ``x [M, K]`` (unit-stride rows)."""
+    return _rows_ok(x, w) and route(x.shape[0], w) is not None
+
+
+def rows16_usable(x: torch.Tensor, w: Int4Tensor) -> bool:
+    """Whether the int4 format runs ``x [M, K]`` times ``w`` on the tiles in its own numerics
+    (:func:`gemm_nt` with ``rows16``): :data:`ROWS16_MIN` rows or more, a weight the tiles
+    take."""
+    return _rows_ok(x, w) and x.shape[0] >= ROWS16_MIN and tiles_take(w)
+
+
+def gemm_nt(
+    x: torch.Tensor, w: Int4Tensor, out: torch.Tensor | None = None, rows16: bool = False
+) -> torch.Tensor:
+    """``gemm_ref(x, w, rows16)`` for fp32 ``x [M, K]`` and ``w [N, K]``, into ``out`` (fp32
+    ``[M, N]``, unit-stride rows) when given: by the kernel :func:`route` picks (:func:`usable`),
+    or with ``rows16`` on the tiles (:func:`rows16_usable`, any rows the tiles take)."""
     M, K = x.shape
     N = w.q.shape[0]
     if out is None:
@@ -190,10 +220,10 @@ def gemm_nt(x: torch.Tensor, w: Int4Tensor, out: torch.Tensor | None = None) -> 
         out.data_ptr(),
         out.stride(0),
     )
-    if route(M, w) == DOTS:
+    if not rows16 and route(M, w) == DOTS:
         failed = int4_kernels.entry("gemm_nt_small")(*args, _dots_level(M))
     else:
-        failed = _library().moeserve_amx_i4_gemm_nt(*args, 0)
+        failed = _library().moeserve_amx_i4_gemm_nt(*args, int(rows16))
     if failed:
         raise MemoryError(f"int4 projection of {M} rows: out of memory for its workspace")
     return out
@@ -238,27 +268,48 @@ def moe_route(mean: float, most: int, w13: Int4Tensor, w2: Int4Tensor) -> str | 
     return TILES if tiles else None
 
 
-def moe_usable(x_RD: torch.Tensor, counts: list[int], w13: Int4Tensor, w2: Int4Tensor) -> bool:
-    """Whether :func:`moe_experts` runs a kernel: fp32 contiguous rows, contiguous weights of
-    one group size that :func:`moe_route` gives a kernel."""
+def _moe_rows_ok(x_RD: torch.Tensor, counts: list[int], w13: Int4Tensor, w2: Int4Tensor) -> bool:
     return (
         0 < max(counts, default=0)
         and x_RD.dtype == torch.float32
         and x_RD.device.type == "cpu"
         and x_RD.is_contiguous()
         and on_cpu_contiguous(*w13.parts(), *w2.parts())
-        and moe_route(sum(counts) / len(counts), max(counts), w13, w2) is not None
+    )
+
+
+def moe_usable(x_RD: torch.Tensor, counts: list[int], w13: Int4Tensor, w2: Int4Tensor) -> bool:
+    """Whether :func:`moe_experts` runs a kernel: fp32 contiguous rows, contiguous weights of
+    one group size that :func:`moe_route` gives a kernel."""
+    return _moe_rows_ok(x_RD, counts, w13, w2) and (
+        moe_route(sum(counts) / len(counts), max(counts), w13, w2) is not None
+    )
+
+
+def moe_rows16_usable(
+    x_RD: torch.Tensor, counts: list[int], w13: Int4Tensor, w2: Int4Tensor
+) -> bool:
+    """Whether the int4 format runs this MoE call on the tiles in its own numerics
+    (:func:`moe_experts` with ``rows16``): :data:`ROWS16_MIN` rows an expert or more on
+    average, weights of one group size that the tiles take."""
+    return (
+        _moe_rows_ok(x_RD, counts, w13, w2)
+        and sum(counts) >= ROWS16_MIN * len(counts)
+        and w13.group_size == w2.group_size
+        and tiles_take(w13)
+        and tiles_take(w2)
     )
 
 
 class MoEWorkspace:
     """The buffers of one ``moeserve_amx_i4_moe`` call of at most ``padded`` rows (each
-    expert's rows padded to 16), reused across calls of the same size (decode)."""
+    expert's rows padded to 16), reused across calls of the same size (decode); ``planes``
+    2 for the rows in 16-bit fixed point."""
 
-    def __init__(self, padded: int, D: int, F_: int) -> None:
+    def __init__(self, padded: int, D: int, F_: int, planes: int = 1) -> None:
         self.padded = padded
-        self.xp = aligned_empty(padded * D, torch.int8)
-        self.hp = aligned_empty(padded * F_, torch.int8)
+        self.xp = aligned_empty(planes * padded * D, torch.int8)
+        self.hp = aligned_empty(planes * padded * F_, torch.int8)
         self.xs = torch.empty(padded, dtype=torch.float32)
         self.hs = torch.empty(padded, dtype=torch.float32)
         self.h = torch.empty(padded, 2 * F_, dtype=torch.float32)
@@ -280,11 +331,13 @@ def moe_experts(
     w13: Int4Tensor,
     w2: Int4Tensor,
     weight_R: torch.Tensor,
+    rows16: bool = False,
 ) -> torch.Tensor:
     """Rows of fp32 ``x_RD`` sorted by expert (``counts[i]`` rows for ``experts[i]``) through
     their experts' gated FFN (int4 ``w13 [E, 2F, D]``, ``w2 [E, D, F]``), each times its
-    routing weight, in one call of the kernel :func:`moe_route` picks (:func:`moe_usable`).
-    The reference is :func:`moe_ref`."""
+    routing weight, in one call of the kernel :func:`moe_route` picks (:func:`moe_usable`),
+    or with ``rows16`` of the tiles in int4's numerics (:func:`moe_rows16_usable`). The
+    reference is :func:`moe_ref`."""
     R, D = x_RD.shape
     F_ = w2.shape[2]
     starts = list(itertools.accumulate(counts, initial=0))[:-1]
@@ -294,13 +347,14 @@ def moe_experts(
     groups = (len(counts), meta[0].data_ptr(), meta[1].data_ptr(), meta[2].data_ptr(), D, F_)
     operands = (x_RD.data_ptr(), *moe_w_args(w13, w2), weight32_R.data_ptr())
     most = max(counts)
-    if moe_route(sum(counts) / len(counts), most, w13, w2) == DOTS:
+    if not rows16 and moe_route(sum(counts) / len(counts), most, w13, w2) == DOTS:
         h = torch.empty(R, 2 * F_, dtype=torch.float32)
         fn = int4_kernels.entry("moe_small")
         failed = fn(*groups, *operands, h.data_ptr(), y.data_ptr(), _dots_level(most))
     else:
-        ws = MoEWorkspace(sum(-(-n // 16) * 16 for n in counts), D, F_)
-        failed = _library().moeserve_amx_i4_moe(*groups, *operands, y.data_ptr(), *ws.pointers())
+        ws = MoEWorkspace(sum(-(-n // 16) * 16 for n in counts), D, F_, 1 + rows16)
+        tiles = _library().moeserve_amx_i4_moe
+        failed = tiles(*groups, *operands, y.data_ptr(), *ws.pointers(), int(rows16))
     _check(failed, R)
     return y
 
@@ -337,7 +391,7 @@ class BoundMoE:
             self.dots_fn = int4_kernels.entry("moe_small")
         if moe_route(self.max_rows, T, self.w13, self.w2) == TILES:
             self.ws = MoEWorkspace(b.padded_rows, b.D, b.F)
-            self.tiles = (*common, b.y_sorted.data_ptr(), *self.ws.pointers())
+            self.tiles = (*common, b.y_sorted.data_ptr(), *self.ws.pointers(), 0)
             self.tiles_fn = _library().moeserve_amx_i4_moe
 
     def run(self, G: int) -> torch.Tensor:

@@ -95,7 +95,7 @@ int moeserve_amx_i8_gemm_nt(int64_t M, int64_t N, int64_t K, const float *x, int
 #pragma omp for schedule(static)
         for (int64_t mb = 0; mb < MB; mb++) {
             const int64_t rows = M - 16 * mb < 16 ? M - 16 * mb : 16;
-            pack_rows_q(rows, K, x + 16 * mb * ldx, ldx, xp + mb * KB * QBLK, xs + 16 * mb);
+            pack_rows_q(rows, K, x + 16 * mb * ldx, ldx, xp + mb * KB * QBLK, 0, xs + 16 * mb);
         }
         tiles_on();
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -133,7 +133,7 @@ void moeserve_amx_i8_moe(int64_t G, const int64_t *expert, const int64_t *start,
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < G; g++)
-            pack_rows_q(count[g], D, x + start[g] * D, D, xp + first_block[g] * 16 * D,
+            pack_rows_q(count[g], D, x + start[g] * D, D, xp + first_block[g] * 16 * D, 0,
                         xs + first_block[g] * 16);
         tiles_on();
         {
@@ -154,7 +154,7 @@ void moeserve_amx_i8_moe(int64_t G, const int64_t *expert, const int64_t *start,
             const int64_t pad = (count[g] + 15) / 16 * 16, b0 = first_block[g];
             for (int64_t mb = 0; mb < pad / 16; mb++)
                 activate_pack(F, h + b0 * 16 * 2 * F + 16 * mb, pad, s13 + expert[g] * 2 * F,
-                              xs + 16 * (b0 + mb), hp + (b0 + mb) * 16 * F, hs + 16 * (b0 + mb));
+                              xs + 16 * (b0 + mb), hp + (b0 + mb) * 16 * F, 0, hs + 16 * (b0 + mb));
         }
         {
             int64_t lo, hi;

@@ -40,13 +40,16 @@ QMAX = 127
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xq int8 [..., K], s fp32 [...])``: each row of fp32 ``x`` on the int8 grid, as the
-    kernel packs it (``round(x * (127 / max|row|))``, nearest even; ``s = max|row| / 127``)."""
+    kernel packs it (``round(x * (127 / max|row|))``, nearest even; ``s = max|row| / 127``);
+    a row with a nan or an inf gets ``s`` nan (and codes 0), so its outputs are nan."""
     x = x.float()
+    finite = torch.isfinite(x).all(dim=-1)
+    x = torch.where(finite.unsqueeze(-1), x, 0.0)
     amax = x.abs().amax(dim=-1)
     # a tensor numerator: ``127 / t`` is ``t.reciprocal() * 127`` in torch, rounded twice
     inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
     xq = torch.round(x * inv.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return xq, amax / QMAX
+    return xq, torch.where(finite, amax / QMAX, torch.nan)
 
 
 def fake_quant(x: torch.Tensor) -> torch.Tensor:

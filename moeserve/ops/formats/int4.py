@@ -3,11 +3,17 @@ point per ``group_size`` columns), fp32 activations.
 
     few rows (decode), CPU        the kernels of ops/cpu/int4.c (AVX2 or AVX-512): the
                                   nibbles unpacked in registers, each weight row streamed once
-    more rows (prefill), CPU      blocks of weight rows dequantized into one reused fp32
-                                  buffer that stays in cache, each block an MKL GEMM
+    6 rows or more, AMX-INT8      AMX's int8 tiles (ops/cpu/int4_amx.c with rows16): the codes
+                                  unpacked to int8, each row in 16-bit fixed point on two byte
+                                  planes, the rounding int4's integer dots use (4-5x the
+                                  kernels above from 16 rows: docs/benchmarks.md)
+    more rows (prefill), CPU      int4.c's kernels with AVX-512; with AVX2 blocks of weight
+                                  rows dequantized into one reused fp32 buffer that stays in
+                                  cache, each block an MKL GEMM
     anywhere else                 the reference, ops/cpu/int4.py: linear_int4_ref
 
-The routed experts of a layer run in one call of ``moeserve_int4_moe_small``. Where weights
+The routed experts of a layer run in one call of ``moeserve_int4_moe_small`` (on AMX's tiles
+from 6 rows an expert on average). Where weights
 stream per decode step, int4 reads ``1/2 + 5/group_size`` bytes per weight (the codes, then
 an fp32 scale and a one-byte zero point per group): 0.54 at group 128, a little over half of
 int8's. The group size and symmetry are chosen at load (``EngineConfig.int4_group_size``,
@@ -23,6 +29,7 @@ import torch
 
 from moeserve.ops import formats
 from moeserve.ops.cpu import int4 as int4_kernels
+from moeserve.ops.cpu import int4_amx
 from moeserve.ops.formats import check_options
 from moeserve.ops.formats.base import (
     WeightFormat,
@@ -102,9 +109,21 @@ class Int4Format(WeightFormat):
         w = as_int4(w)
         if w.perm is not None:  # GPTQ act-order: the stored columns read x in their order
             x, w = x.index_select(-1, w.perm), _in_order(w)
-        if bias is None and not self.rounds_activations and int4_kernels.usable(x, w):  # decode
-            return int4_kernels.gemm_nt(x, w)
+        if bias is None and not self.rounds_activations:  # decode, or prefill on the tiles
+            y = self._kernel(x, w, None)
+            if y is not None:
+                return y
         return through_fp32_rows(x, w.shape[0], lambda x2: self.matmul(x2, w, None), bias)
+
+    def _kernel(self, x: torch.Tensor, w: Int4Tensor, out: torch.Tensor | None):
+        """``x @ w.T`` by int4's kernels where one takes these rows (AMX's tiles from
+        ``int4_amx.ROWS16_MIN`` rows, int4.c's below and where the tiles do not run), else
+        None."""
+        if int4_amx.rows16_usable(x, w):
+            return int4_amx.gemm_nt(x, w, out=out, rows16=True)
+        if int4_kernels.usable(x, w):
+            return int4_kernels.gemm_nt(x, w, out=out)
+        return None
 
     def linear_into(self, x, w, out):
         w = as_int4(w)
@@ -119,8 +138,9 @@ class Int4Format(WeightFormat):
         given."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if int4_kernels.usable(x, w):
-            return int4_kernels.gemm_nt(x, w, out=out)
+        y = self._kernel(x, w, out)
+        if y is not None:
+            return y
         M, N = x.shape[0], w.shape[0]
         if out is None:
             out = torch.empty(M, N, dtype=torch.float32, device=x.device)
@@ -141,14 +161,21 @@ class Int4Format(WeightFormat):
         return self.experts_in_order(x_RD, experts, counts, q13, q2, weight_R)
 
     def experts_in_order(self, x_RD, experts, counts, q13, q2, weight_R):
-        """:meth:`moe_experts` once each row holds its columns in its weights' order."""
+        """:meth:`moe_experts` once each row holds its columns in its weights' order: AMX's
+        tiles from ``int4_amx.ROWS16_MIN`` rows an expert on average, else int4.c's call."""
+        if int4_amx.moe_rows16_usable(x_RD, counts, q13, q2):
+            return int4_amx.moe_experts(x_RD, experts, counts, q13, q2, weight_R, rows16=True)
         if int4_kernels.moe_usable(x_RD, counts, q13, q2):
             return int4_kernels.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
         return None
 
     def bind_linear(self, w, fallback):
         w = as_int4(w)
-        return None if w.perm is not None else int4_kernels.bind_gemm(w, fallback)
+        if w.perm is not None:
+            return None
+        # the rows the tiles take go to fallback (this format's linear), which sends them there
+        most = int4_amx.ROWS16_MIN - 1 if int4_amx.tiles_take(w) else int4_kernels.MAX_ROWS
+        return int4_kernels.bind_gemm(w, fallback, most)
 
     def bind_moe(self, w13_EFD, w2_EDF):
         q13, q2 = as_int4(w13_EFD), as_int4(w2_EDF)

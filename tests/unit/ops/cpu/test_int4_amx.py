@@ -164,14 +164,16 @@ def test_moe_matches_reference(kernel, counts, group):
 
 
 @needs_amx
-def test_moe_workspace_reuse_gives_the_same_rows(monkeypatch):
+@pytest.mark.parametrize("rows16", [False, True])
+def test_moe_workspace_reuse_gives_the_same_rows(monkeypatch, rows16):
     """The decode path calls the kernel with buffers kept across steps (MoEWorkspace): a
-    second call with other rows of the same size overwrites every value it reads."""
+    second call with other rows of the same size overwrites every value it reads (both
+    planes of the rows in 16-bit fixed point too)."""
     E, D, F_ = 4, 128, 64
     w13, w2 = int4_weight(E, 2 * F_, D, seed=5, group=64), int4_weight(E, D, F_, seed=6, group=64)
     experts, counts = [1, 3], [3, 2]
     meta = torch.tensor([experts, [0, 3], counts], dtype=torch.int64)
-    ws = int4_amx.MoEWorkspace(32, D, F_)
+    ws = int4_amx.MoEWorkspace(32, D, F_, 1 + rows16)
     lib = int4_amx._library()
     monkeypatch.setattr(int4_amx, "FEW_ROWS", 0)  # moe_experts on the tiles too
     for seed in (7, 8):
@@ -181,10 +183,10 @@ def test_moe_workspace_reuse_gives_the_same_rows(monkeypatch):
         failed = lib.moeserve_amx_i4_moe(
             2, meta[0].data_ptr(), meta[1].data_ptr(), meta[2].data_ptr(), D, F_,
             x.data_ptr(), *int4_kernels.moe_w_args(w13, w2), weight.data_ptr(), y.data_ptr(),
-            *ws.pointers(),
+            *ws.pointers(), int(rows16),
         )  # fmt: skip
         assert failed == 0
-        want = int4_amx.moe_experts(x, experts, counts, w13, w2, weight)
+        want = int4_amx.moe_experts(x, experts, counts, w13, w2, weight, rows16)
         torch.testing.assert_close(y, want, rtol=0, atol=0)
 
 

@@ -15,7 +15,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.layers.moe import FusedExperts, Router
 from moeserve.models.loader import load_model
 from moeserve.ops import formats
-from moeserve.ops.cpu import int4
+from moeserve.ops.cpu import int4, int4_amx
 from moeserve.quant.int4 import (
     Int4Tensor,
     Int4Weight,
@@ -24,7 +24,7 @@ from moeserve.quant.int4 import (
     quantize_groups,
     unpack_nibbles,
 )
-from tests.checkpoints import build_hf_model, save_hf_checkpoint
+from tests.checkpoints import DEEPSEEK_TILES, build_hf_model, save_hf_checkpoint
 from tests.int8_oracle import assert_int4_outputs, write_int4_oracle
 from tests.unit.ops.formats.test_int8_loading import _fp8_copy
 
@@ -36,10 +36,14 @@ PROMPTS = [list(range(5, 95)), [3, 17, 4, 200, 9]]  # prefill's many-row path, t
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("int4")
-    return {
+    out = {
         kind: save_hf_checkpoint(build_hf_model(kind), root / kind)
         for kind in ("deepseek_v3", "qwen3_moe")
     }
+    # every GEMM and the experts in shapes AMX's tiles take (K % 64, N % 16)
+    tiles = build_hf_model("deepseek_v3", **DEEPSEEK_TILES)
+    out["deepseek_tiles"] = save_hf_checkpoint(tiles, root / "deepseek_tiles")
+    return out
 
 
 def _generate(path: Path, **kw):
@@ -134,13 +138,30 @@ def test_int4_engine_matches_fp32_on_dequantized_weights(checkpoints, kind, symm
     assert_int4_outputs(got, want)
 
 
-@pytest.mark.parametrize("path", ["avx2", "avx2-idot", "avx512", "reference"])
+@pytest.mark.parametrize("path", ["avx2", "avx2-idot", "avx512", "reference", "tiles"])
 def test_other_paths_match_too(checkpoints, tmp_path, monkeypatch, path):
     """The AVX2 kernels (FMA and integer dots) on a CPU that would pick AVX-512, AVX-512F's
     lookups on one that would pick VNNI's integer dots, the torch references without
-    kernels."""
+    kernels (all without AMX's tiles); and the tiles taking every product of
+    ``int4_amx.ROWS16_MIN`` rows or more (prefill: the rows rounded to 16 bits, as the integer
+    dots round them)."""
+    if path == "tiles":
+        if not int4_amx.available():
+            pytest.skip("no AMX-INT8 here")
+        oracle = write_int4_oracle(checkpoints["deepseek_tiles"], tmp_path / "oracle", 32)
+        calls = []
+        gemm, moe = int4_amx.gemm_nt, int4_amx.moe_experts
+        monkeypatch.setattr(int4_amx, "gemm_nt", lambda *a, **k: calls.append(1) or gemm(*a, **k))
+        monkeypatch.setattr(
+            int4_amx, "moe_experts", lambda *a, **k: calls.append(2) or moe(*a, **k)
+        )
+        got = _generate(checkpoints["deepseek_tiles"], quantization="int4", int4_group_size=32)
+        assert 1 in calls and 2 in calls  # projections and experts of the prefill
+        assert_int4_outputs(got, _generate(oracle), rounds=True)
+        return
     oracle = write_int4_oracle(checkpoints["deepseek_v3"], tmp_path / "oracle", 32)
     want = _generate(oracle)
+    monkeypatch.setattr(int4_amx, "available", lambda: False)
     if path.startswith("avx2"):
         monkeypatch.setattr(int4, "wide", lambda: False)
         if path == "avx2":

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from moeserve.ops import formats
-from moeserve.ops.cpu import int4
+from moeserve.ops.cpu import int4, int4_amx
 from moeserve.ops.formats.base import WeightFormat
 from moeserve.quant.int8 import Int8Weight
 
@@ -78,8 +78,8 @@ def _weight(name: str, w: torch.Tensor):
 
 # each format against F.linear on what it holds (bf16-rounded or q * scale); w8a8 and w4a8
 # also round the rows, so their bound is the rounding of x (measured ~0.02 on these values), and
-# so does int4 on the integer dots, to 2^-16 of each row's max (~1.4e-3 here)
-INT4_ROUNDS = int4.available() and int4.rounds_rows(None, 130)
+# so does int4 on the integer dots and on AMX's tiles, to 2^-16 of each row's max (~1.4e-3 here)
+INT4_ROUNDS = (int4.available() and int4.rounds_rows(None, 130)) or int4_amx.available()
 BOUNDS = {"fp32": 1e-5, "bf16": 1e-2, "int8": 1e-4, "w8a8_int8": 0.15, "w4a8_int8": 0.15}
 BOUNDS["int4"] = 5e-4 if INT4_ROUNDS else 1e-4
 
