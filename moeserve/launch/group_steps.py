@@ -27,6 +27,7 @@ from moeserve.eplb.balancer import run_command
 from moeserve.launch.elastic import GroupEnded
 from moeserve.launch.group_disagg import KV_MODE
 from moeserve.launch.ledger import Tracked
+from moeserve.launch.liveness import stall_dump
 from moeserve.launch.recovery import ElasticRank
 
 STEP, STOP, INFO, STATS, PING = "step", "stop", "info", "stats", "ping"
@@ -98,9 +99,12 @@ def serve_steps(
     (``launch/recovery.py``) and follows rank 0 again; GroupEnded when it cannot."""
     if elastic is not None:
         elastic.start_serving(groups)
+    # with elastic EP a message taking half the collective timeout dumps this rank's stacks
+    # (liveness.stall_dump): a stall of a live rank ends the group, and the log says where
+    stall_s = elastic.timeout_s / 2 if elastic is not None else None
     while True:
         try:
-            groups = _serve_one(engine, groups, elastic)
+            groups = _serve_one(engine, groups, elastic, stall_s)
             if groups is None:
                 return
         except RuntimeError as e:
@@ -111,11 +115,23 @@ def serve_steps(
 
 
 def _serve_one(
-    engine: LLMEngine, groups: ParallelGroups, elastic: ElasticRank | None
+    engine: LLMEngine,
+    groups: ParallelGroups,
+    elastic: ElasticRank | None,
+    stall_s: float | None = None,
 ) -> ParallelGroups | None:
     """Follow one message of rank 0; returns the groups to follow the next one on (new ones
-    after the group grew), None once rank 0 said stop."""
+    after the group grew), None once rank 0 said stop. A step taking past ``stall_s`` dumps
+    this rank's stacks (waiting for the message does not count, nor the commands that move
+    experts: a growth, a rebalance)."""
     msg = broadcast_json(None, groups.world, 0)
+    with stall_dump(stall_s if msg["cmd"] == STEP else None):
+        return _handle(engine, groups, elastic, msg)
+
+
+def _handle(
+    engine: LLMEngine, groups: ParallelGroups, elastic: ElasticRank | None, msg: dict
+) -> ParallelGroups | None:
     if msg["cmd"] == STOP:
         engine.scheduler.check_integrity()
         return None

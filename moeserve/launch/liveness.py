@@ -27,6 +27,8 @@ here, once, for every launcher.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -34,9 +36,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TextIO
 
 import torch.distributed as dist
 
@@ -52,6 +55,23 @@ _STORE_TIMEOUT_S = 5.0  # one store operation; longer means the store's host is 
 _FAILED_KEY = "moeserve/failed"
 _API_KEY = "moeserve/api"
 _STOP_KEY = "moeserve/stop"
+
+
+@contextlib.contextmanager
+def stall_dump(seconds: float | None, out: TextIO | None = None) -> Iterator[None]:
+    """Every thread's stack to ``out`` (stderr: the rank's log) if the block runs past
+    ``seconds`` (None: no watch). A worker rank handles each of rank 0's messages inside one,
+    so a rank that stalls (a heartbeat that stops while the process lives, a collective of
+    its peers about to time out) says where it is. faulthandler's watchdog is a C thread: it
+    runs when the stalled thread holds the GIL too."""
+    if seconds is None:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, file=out or sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _hb_key(rank: int) -> str:

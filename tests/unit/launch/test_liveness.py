@@ -171,3 +171,24 @@ def test_a_heartbeat_that_was_stopped_never_ends_its_rank(store_port, monkeypatc
 def test_rank_0_runs_no_heartbeat():
     with pytest.raises(ValueError, match="rank 0 runs the RankMonitor"):
         liveness.Heartbeat(_spec(0, 1))
+
+
+def test_stall_dump_writes_the_stacks_of_a_block_that_runs_too_long(tmp_path):
+    """The watchdog writes every thread's stack once the block passes its time, and nothing
+    when it ends in time (or has no time)."""
+    import time
+
+    from moeserve.launch.liveness import stall_dump
+
+    late, quick = tmp_path / "late.txt", tmp_path / "quick.txt"
+    with open(late, "w") as out, stall_dump(0.2, out):
+        time.sleep(0.6)  # the block in this test: its frame is in the dump
+    text = late.read_text()
+    assert "Timeout" in text and "test_stall_dump_writes_the_stacks" in text
+    with open(quick, "w") as out:
+        with stall_dump(2.0, out):
+            pass
+        with stall_dump(None, out):
+            time.sleep(0.3)
+        time.sleep(2.2)  # past the first block's time: its watch was cancelled
+    assert quick.read_text() == ""
