@@ -3,6 +3,7 @@
 # librdmacm1, libnuma1. Installs the missing ones as root (apt-get); otherwise prints the
 # command to run. Never fails: the engine runs without them, only PD disaggregation needs them.
 set -u
+. "$(dirname "$0")/apt_missing.sh"
 
 [ "$(uname -s)" = Linux ] || { echo "system deps: not Linux, nothing to check"; exit 0; }
 
@@ -26,16 +27,5 @@ done
 missing=${missing# }
 [ -z "$missing" ] && { echo "system deps: libibverbs1 librdmacm1 libnuma1 present"; exit 0; }
 
-install="env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $missing"
-if ! command -v apt-get >/dev/null; then
-    echo "system deps: missing $missing (Debian names); install them with your package manager" >&2
-elif [ "$(id -u)" -eq 0 ]; then
-    echo "system deps: installing $missing"
-    # a fresh container has no package lists: update once if the first try fails
-    $install || { apt-get update -q && $install; } \
-        || echo "system deps: could not install $missing; PD disaggregation needs them" >&2
-else
-    echo "system deps: missing $missing (Mooncake needs them for PD disaggregation); run:" >&2
-    echo "  sudo apt-get install -y --no-install-recommends $missing" >&2
-fi
+install_missing "system deps" "$missing" "only PD disaggregation (Mooncake) needs them"
 exit 0

@@ -5,6 +5,7 @@
 # otherwise prints the command to run. Never fails: without them the ARM tests skip, saying
 # why. On an aarch64 host the kernels build natively and nothing is needed.
 set -u
+. "$(dirname "$0")/apt_missing.sh"
 
 [ "$(uname -s)" = Linux ] || { echo "test deps: not Linux, nothing to check"; exit 0; }
 case "$(uname -m)" in
@@ -22,16 +23,5 @@ done
 missing=${missing# }
 [ -z "$missing" ] && { echo "test deps: aarch64 cross gcc and qemu-user-static present"; exit 0; }
 
-install="env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $missing"
-if ! command -v apt-get >/dev/null; then
-    echo "test deps: missing $missing (Debian names); the ARM kernel tests will skip" >&2
-elif [ "$(id -u)" -eq 0 ]; then
-    echo "test deps: installing $missing"
-    # a fresh container has no package lists: update once if the first try fails
-    $install >/dev/null || { apt-get update -q >/dev/null && $install >/dev/null; } \
-        || echo "test deps: could not install $missing; the ARM kernel tests will skip" >&2
-else
-    echo "test deps: missing $missing (the ARM kernel tests skip without them); run:" >&2
-    echo "  sudo apt-get install -y --no-install-recommends $missing" >&2
-fi
+install_missing "test deps" "$missing" "the ARM kernel tests skip without them"
 exit 0

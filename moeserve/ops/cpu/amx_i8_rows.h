@@ -112,6 +112,30 @@ static void pack_rows_q(int64_t M, int64_t K, const float *x, int64_t ldx, int8_
     }
 }
 
+/* The packed rows of a GEMM's M token rows (pack_rows_q's 16-row blocks, `planes` of them:
+ * the low bytes at *lp, 0 with one plane), their scales at *xs after them; NULL when they
+ * cannot be allocated (free() them). */
+static int8_t *packed_rows_alloc(int64_t M, int64_t K, int planes, int64_t *lp, float **xs) {
+    const size_t plane = (size_t)(((M + 15) / 16) * 16 * K + 63) / 64 * 64;
+    int8_t *xp = aligned_alloc(64, planes * plane + (size_t)(M + 15) / 16 * 16 * sizeof(float));
+    *lp = planes > 1 ? (int64_t)plane : 0;
+    if (xp) *xs = (float *)(xp + planes * plane);
+    return xp;
+}
+
+/* pack_rows_q of all M rows into xp (packed_rows_alloc's), the 16-row blocks shared out
+ * among the threads of the enclosing parallel region (an orphaned omp for: its barrier ends
+ * it; outside a region, one thread packs them all) */
+static void pack_rows_blocks(int64_t M, int64_t K, const float *x, int64_t ldx, int8_t *xp,
+                             int64_t lp, float *xs) {
+    const int64_t KB = K / 64, MB = (M + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t mb = 0; mb < MB; mb++) {
+        const int64_t rows = M - 16 * mb < 16 ? M - 16 * mb : 16;
+        pack_rows_q(rows, K, x + 16 * mb * ldx, ldx, xp + mb * KB * QBLK, lp, xs + 16 * mb);
+    }
+}
+
 /* silu(g) * u for 16 lanes (common.h: silu_mul_row's form, e^-|g| never overflows) */
 static inline __m512 silu_mul16(__m512 g, __m512 u) {
     const __m256 sign = _mm256_set1_ps(-0.0f);

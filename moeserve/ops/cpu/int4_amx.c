@@ -218,21 +218,16 @@ static void job4(int64_t K, int64_t G, const int8_t *wb, const float *sc, int nr
 int moeserve_amx_i4_gemm_nt(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                             const uint8_t *q, int64_t ldq, const float *sc, const uint8_t *zp,
                             int64_t G, float *out, int64_t ldo, int rows16) {
-    const int64_t KB = K / 64, MB = (M + 15) / 16, J = (N + 31) / 32, ng = K / G;
-    const size_t plane = (size_t)(MB * 16 * K + 63) / 64 * 64, planes = rows16 ? 2 : 1;
-    const int64_t lp = rows16 ? (int64_t)plane : 0;
-    int8_t *xp = aligned_alloc(64, planes * plane + (size_t)MB * 16 * sizeof(float));
+    const int64_t J = (N + 31) / 32, ng = K / G;
+    int64_t lp;
+    float *xs;
+    int8_t *xp = packed_rows_alloc(M, K, rows16 ? 2 : 1, &lp, &xs);
     if (!xp) return -1;
-    float *xs = (float *)(xp + planes * plane);
     int failed = 0;
     const int par = J > 1 && (N * K >= 65536 || M * N * K >= (1 << 22));
 #pragma omp parallel if (par)
     {
-#pragma omp for schedule(static)
-        for (int64_t mb = 0; mb < MB; mb++) {
-            const int64_t rows = M - 16 * mb < 16 ? M - 16 * mb : 16;
-            pack_rows_q(rows, K, x + 16 * mb * ldx, ldx, xp + mb * KB * QBLK, lp, xs + 16 * mb);
-        }
+        pack_rows_blocks(M, K, x, ldx, xp, lp, xs);
         int8_t *wb = thread_scratch(0, (size_t)32 * K); /* the unpacked rows */
         if (!wb) {
 #pragma omp atomic write

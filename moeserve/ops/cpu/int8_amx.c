@@ -84,19 +84,15 @@ int moeserve_amx_i8_gemm_nt(int64_t M, int64_t N, int64_t K, const float *x, int
                             const int8_t *q, int64_t ldq, const float *ws, float *out,
                             int64_t ldo, int unused) {
     (void)unused;
-    const int64_t KB = K / 64, MB = (M + 15) / 16, J = (N + 31) / 32;
-    const size_t xp_bytes = (size_t)(MB * 16 * K + 63) / 64 * 64;
-    int8_t *xp = aligned_alloc(64, xp_bytes + (size_t)MB * 16 * sizeof(float));
+    const int64_t J = (N + 31) / 32;
+    int64_t lp;
+    float *xs;
+    int8_t *xp = packed_rows_alloc(M, K, 1, &lp, &xs);
     if (!xp) return -1;
-    float *xs = (float *)(xp + xp_bytes);
     const int par = J > 1 && (N * K >= 65536 || M * N * K >= (1 << 22));
 #pragma omp parallel if (par)
     {
-#pragma omp for schedule(static)
-        for (int64_t mb = 0; mb < MB; mb++) {
-            const int64_t rows = M - 16 * mb < 16 ? M - 16 * mb : 16;
-            pack_rows_q(rows, K, x + 16 * mb * ldx, ldx, xp + mb * KB * QBLK, 0, xs + 16 * mb);
-        }
+        pack_rows_blocks(M, K, x, ldx, xp, lp, xs);
         tiles_on();
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t lo = J * t / nt, hi = J * (t + 1) / nt;
