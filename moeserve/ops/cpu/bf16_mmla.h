@@ -238,9 +238,30 @@ static void bm_round_any(const void *r, int64_t i, const float *x) {
     bm_round_row(rows->K, x, rows, i);
 }
 
-/* fp32.c's moe body on BFMMLA/BFDOT: the groups' rows of x rounded once, their gate/up jobs,
- * the gated activation and the rounding of each hidden row, then the down jobs times the
- * routing weights, in one parallel region. -1 when the scratch cannot be had. */
+/* the bf16 weights of an MoE call (moe_rounded's ctx) */
+struct bm_moe {
+    const int64_t *expert;
+    const uint16_t *w13, *w2;
+    int64_t pf13, pf2;
+};
+
+static void bm_moe_up(const struct moe_rounded *c, int64_t g, int64_t n0, int64_t nr) {
+    const struct bm_moe *m = c->ctx;
+    const int64_t D = c->D, F = c->F, j = c->start[g];
+    bm_job(c->count[g], D, c->rx, j, m->w13 + (m->expert[g] * 2 * F + n0) * D, D, (int)nr,
+           c->h + j * 2 * F + n0, 2 * F, m->pf13);
+}
+
+static void bm_moe_down(const struct moe_rounded *c, int64_t g, int64_t n0, int64_t nr) {
+    const struct bm_moe *m = c->ctx;
+    const int64_t D = c->D, F = c->F, j = c->start[g];
+    bm_job(c->count[g], F, c->rh, j, m->w2 + (m->expert[g] * D + n0) * F, F, (int)nr,
+           c->y + j * D + n0, D, m->pf2);
+}
+
+/* fp32.c's moe body on BFMMLA/BFDOT (common.h's moe_rounded_run in jobs of 4 weight rows):
+ * the groups' rows rounded to bf16 once, the hidden after its activation too. -1 when the
+ * scratch cannot be had (nothing computed). */
 static int moe_bf16_mmla(int64_t n_groups, const int64_t *expert, const int64_t *start,
                          const int64_t *count, int64_t D, int64_t F, const float *x,
                          const uint16_t *w13, const uint16_t *w2, const float *route_w,
@@ -250,37 +271,10 @@ static int moe_bf16_mmla(int64_t n_groups, const int64_t *expert, const int64_t 
         R = start[g] + count[g] > R ? start[g] + count[g] : R;
     struct bm_rows rx, rh;
     if (bm_alloc(R, D, 0, &rx) || bm_alloc(R, F, 1, &rh)) return -1;
-    const int64_t jobs13 = (2 * F + 3) / 4, jobs2 = (D + 3) / 4;
-    const int64_t pf13 = bm_prefetch(D), pf2 = bm_prefetch(F);
-#pragma omp parallel
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        round_group_rows(n_groups, start, count, D, (float *)x, D, 0, bm_round_any, &rx, t, nt);
-#pragma omp barrier
-        int64_t lo, end;
-        moe_share(n_groups, count, jobs13, t, nt, &lo, &end);
-        for (int64_t job = lo; job < end; job++) {
-            const int64_t g = job / jobs13, n0 = 4 * (job % jobs13);
-            const int nw = 2 * F - n0 < 4 ? (int)(2 * F - n0) : 4;
-            bm_job(count[g], D, &rx, start[g], w13 + (expert[g] * 2 * F + n0) * D, D, nw,
-                   h + start[g] * 2 * F + n0, 2 * F, pf13);
-        }
-#pragma omp barrier
-        round_group_rows(n_groups, start, count, F, h, 2 * F, 1, bm_round_any, &rh, t, nt);
-#pragma omp barrier
-        moe_share(n_groups, count, jobs2, t, nt, &lo, &end);
-        for (int64_t job = lo; job < end; job++) {
-            const int64_t g = job / jobs2, n0 = 4 * (job % jobs2);
-            const int nw = D - n0 < 4 ? (int)(D - n0) : 4;
-            float *yg = y + start[g] * D + n0;
-            bm_job(count[g], F, &rh, start[g], w2 + (expert[g] * D + n0) * F, F, nw, yg, D,
-                   pf2);
-            for (int64_t i = 0; i < count[g]; i++) {
-                const float rw = route_w[start[g] + i];
-                for (int c = 0; c < nw; c++) yg[i * D + c] *= rw;
-            }
-        }
-    }
+    const struct bm_moe m = {expert, w13, w2, bm_prefetch(D), bm_prefetch(F)};
+    const struct moe_rounded c = {n_groups, start, count, D, F, 4, x, route_w, h, y,
+                                  bm_round_any, &rx, &rh, bm_moe_up, bm_moe_down, &m};
+    moe_rounded_run(&c);
     return 0;
 }
 

@@ -7,6 +7,7 @@
 #ifndef MOESERVE_CPU_COMMON_H
 #define MOESERVE_CPU_COMMON_H
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -228,6 +229,70 @@ static inline void moe_activation_phase(int64_t n_groups, const int64_t *start,
 #pragma omp barrier
     silu_mul_groups(n_groups, start, count, F, h, t, nt);
 #pragma omp barrier
+}
+
+/* An MoE call on rounded token rows (int4_idot.h, int8_sdot.h, bf16_mmla.h): rows sorted by
+ * expert, group g rows start[g] .. start[g] + count[g] of x [R, D]; its expert's gate/up
+ * product into the hidden h [R, 2F] (`up`), then the down product into y [R, D] (`down`),
+ * each in jobs of `width` weight rows (rows n0 .. n0 + nr of the expert's), with the kernel's
+ * own operands at ctx. */
+struct moe_rounded {
+    int64_t n_groups;
+    const int64_t *start, *count;
+    int64_t D, F, width;
+    const float *x, *route_w;
+    float *h, *y;
+    round_row_fn round; /* rows of x into rx (D columns), of the hidden into rh (F) */
+    const void *rx, *rh;
+    void (*up)(const struct moe_rounded *c, int64_t g, int64_t n0, int64_t nr);
+    void (*down)(const struct moe_rounded *c, int64_t g, int64_t n0, int64_t nr);
+    const void *ctx;
+};
+
+/* y's rows of group g, columns n0 .. n0 + nr, times their routing weights */
+static inline void moe_route_weights(const struct moe_rounded *c, int64_t g, int64_t n0,
+                                     int64_t nr) {
+    for (int64_t i = 0; i < c->count[g]; i++) {
+        const float w = c->route_w[c->start[g] + i];
+        float *yr = c->y + (c->start[g] + i) * c->D + n0;
+        for (int64_t k = 0; k < nr; k++) yr[k] *= w;
+    }
+}
+
+/* Thread t of nt's jobs of one phase (`total` weight rows an expert), each through fn; with
+ * weigh (the down phase), the rows it wrote times their routing weights after it */
+static inline void moe_rounded_phase(const struct moe_rounded *c, int64_t total, int weigh,
+                                     int t, int nt,
+                                     void (*fn)(const struct moe_rounded *, int64_t, int64_t,
+                                                int64_t)) {
+    const int64_t J = (total + c->width - 1) / c->width;
+    int64_t lo, end;
+    moe_share(c->n_groups, c->count, J, t, nt, &lo, &end);
+    for (int64_t job = lo; job < end; job++) {
+        const int64_t g = job / J, n0 = (job % J) * c->width;
+        const int64_t nr = total - n0 < c->width ? total - n0 : c->width;
+        fn(c, g, n0, nr);
+        if (weigh) moe_route_weights(c, g, n0, nr);
+    }
+}
+
+/* The call in one parallel region: the groups' rows rounded once, the gate/up jobs, the
+ * gated activation and the rounding of each hidden row, the down jobs (each output row
+ * times its routing weight) */
+static inline void moe_rounded_run(const struct moe_rounded *c) {
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        round_group_rows(c->n_groups, c->start, c->count, c->D, (float *)c->x, c->D, 0,
+                         c->round, c->rx, t, nt);
+#pragma omp barrier
+        moe_rounded_phase(c, 2 * c->F, 0, t, nt, c->up);
+#pragma omp barrier
+        round_group_rows(c->n_groups, c->start, c->count, c->F, c->h, 2 * c->F, 1, c->round,
+                         c->rh, t, nt);
+#pragma omp barrier
+        moe_rounded_phase(c, c->D, 1, t, nt, c->down);
+    }
 }
 
 /* mb = min(left, lim) (lim <= 12) as a compile-time constant in each case: CALL(mb) inlines a

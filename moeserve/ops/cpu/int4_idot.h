@@ -162,6 +162,17 @@ static void idot_round_any(const void *r, int64_t i, const float *x) {
                    t->xs + i * XS_LD(t->K / t->G), t->grid8);
 }
 
+/* the int4 weights of an MoE call (common.h's moe_rounded ctx) */
+struct idot_moe {
+    const int64_t *expert;
+    const uint8_t *q13;
+    const float *s13;
+    const uint8_t *z13, *q2;
+    const float *s2;
+    const uint8_t *z2;
+    int64_t G;
+};
+
 /* Rows [lo, hi) of x (row stride ldx) rounded into r */
 static void idot_round_rows(int64_t lo, int64_t hi, const float *x, int64_t ldx,
                             const struct idot_rows *r) {
@@ -456,11 +467,35 @@ static int ICAT(gemm_idot, ISFX)(int64_t M, int64_t N, int64_t K, const float *x
     return 0;
 }
 
-/* int4.c's moe body on the integer dots: the groups' rows of x rounded once, their gate/up
- * rows, then the activation and the rounding of each hidden row in one pass, then the down
- * rows (grid8: the rows and the hidden on their int8 grids first); the threads share out
- * the weight panels of all experts at once. -1 when the scratch cannot be allocated
- * (nothing computed). */
+/* the gate/up rows n0 .. n0 + nr of group g's expert (moe_rounded's up; its ctx an
+ * idot_moe) */
+static void ICAT(idot_moe_up, ISFX)(const struct moe_rounded *c, int64_t g, int64_t n0,
+                                    int64_t nr) {
+    const struct idot_moe *m = c->ctx;
+    const struct idot_rows *r = c->rx;
+    const int64_t D = c->D, F = c->F, ng = D / m->G, j = c->start[g];
+    const int64_t row = m->expert[g] * 2 * F + n0;
+    ICAT(idot_panel, ISFX)(c->count[g], D, r->xq + j * XROW_BYTES(D), r->c + j,
+                           r->xs + j * XS_LD(ng), m->q13 + row * (D / 2), D / 2,
+                           m->s13 + row * ng, m->z13 + row * ng, m->G, nr,
+                           c->h + j * 2 * F + n0, 2 * F);
+}
+
+/* the down rows n0 .. n0 + nr of group g's expert (moe_rounded's down) */
+static void ICAT(idot_moe_down, ISFX)(const struct moe_rounded *c, int64_t g, int64_t n0,
+                                      int64_t nr) {
+    const struct idot_moe *m = c->ctx;
+    const struct idot_rows *r = c->rh;
+    const int64_t D = c->D, F = c->F, ng = F / m->G, j = c->start[g];
+    const int64_t row = m->expert[g] * D + n0;
+    ICAT(idot_panel, ISFX)(c->count[g], F, r->xq + j * XROW_BYTES(F), r->c + j,
+                           r->xs + j * XS_LD(ng), m->q2 + row * (F / 2), F / 2,
+                           m->s2 + row * ng, m->z2 + row * ng, m->G, nr, c->y + j * D + n0, D);
+}
+
+/* int4.c's moe body on the integer dots (common.h's moe_rounded_run in panels): the groups'
+ * rows rounded once, the hidden after its activation too (grid8: the rows and the hidden on
+ * their int8 grids first). -1 when the scratch cannot be allocated (nothing computed). */
 static int ICAT(moe_idot, ISFX)(int64_t n_groups, const int64_t *expert, const int64_t *start,
                                 const int64_t *count, int64_t D, int64_t F, const float *x,
                                 const uint8_t *q13, const float *s13, const uint8_t *z13,
@@ -471,43 +506,11 @@ static int ICAT(moe_idot, ISFX)(int64_t n_groups, const int64_t *expert, const i
         R = start[g] + count[g] > R ? start[g] + count[g] : R;
     struct idot_rows rx, rh;
     if (idot_alloc(R, D, G, 0, grid8, &rx) || idot_alloc(R, F, G, 1, grid8, &rh)) return -1;
-    const int64_t panels13 = (2 * F + PANEL - 1) / PANEL, panels2 = (D + PANEL - 1) / PANEL;
-    const int64_t ng13 = D / G, ng2 = F / G;
-#pragma omp parallel
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        round_group_rows(n_groups, start, count, D, (float *)x, D, 0, idot_round_any, &rx, t, nt);
-#pragma omp barrier
-        int64_t lo13, end13;
-        moe_share(n_groups, count, panels13, t, nt, &lo13, &end13);
-        for (int64_t job = lo13; job < end13; job++) {
-            const int64_t g = job / panels13, n0 = (job % panels13) * PANEL, e = expert[g];
-            const int64_t nr = 2 * F - n0 < PANEL ? 2 * F - n0 : PANEL, row = e * 2 * F + n0;
-            const int64_t j = start[g];
-            ICAT(idot_panel, ISFX)(count[g], D, rx.xq + j * XROW_BYTES(D), rx.c + j,
-                                   rx.xs + j * XS_LD(ng13), q13 + row * (D / 2), D / 2,
-                                   s13 + row * ng13, z13 + row * ng13, G, nr,
-                                   h + j * 2 * F + n0, 2 * F);
-        }
-#pragma omp barrier
-        round_group_rows(n_groups, start, count, F, h, 2 * F, 1, idot_round_any, &rh, t, nt);
-#pragma omp barrier
-        int64_t lo2, end2;
-        moe_share(n_groups, count, panels2, t, nt, &lo2, &end2);
-        for (int64_t job = lo2; job < end2; job++) {
-            const int64_t g = job / panels2, n0 = (job % panels2) * PANEL, e = expert[g];
-            const int64_t nr = D - n0 < PANEL ? D - n0 : PANEL, row = e * D + n0;
-            const int64_t j = start[g];
-            float *yg = y + j * D + n0;
-            ICAT(idot_panel, ISFX)(count[g], F, rh.xq + j * XROW_BYTES(F), rh.c + j,
-                                   rh.xs + j * XS_LD(ng2), q2 + row * (F / 2), F / 2,
-                                   s2 + row * ng2, z2 + row * ng2, G, nr, yg, D);
-            for (int64_t r = 0; r < count[g]; r++) {
-                const float w = route_w[j + r];
-                for (int64_t cc = 0; cc < nr; cc++) yg[r * D + cc] *= w;
-            }
-        }
-    }
+    const struct idot_moe m = {expert, q13, s13, z13, q2, s2, z2, G};
+    const struct moe_rounded c = {n_groups, start, count, D, F, PANEL, x, route_w, h, y,
+                                  idot_round_any, &rx, &rh, ICAT(idot_moe_up, ISFX),
+                                  ICAT(idot_moe_down, ISFX), &m};
+    moe_rounded_run(&c);
     return 0;
 }
 

@@ -293,9 +293,30 @@ static int gemm_sdot(int64_t M, int64_t N, int64_t K, const float *x, int64_t ld
     return 0;
 }
 
-/* int8.c's moe body on the dot products: the groups' rows of x rounded once, their gate/up
- * pairs, the gated activation and the rounding of each hidden row, then the down pairs times
- * the routing weights. -1 when the scratch cannot be allocated (nothing computed). */
+/* the int8 weights of an MoE call (moe_rounded's ctx) */
+struct sd_moe {
+    const int64_t *expert;
+    const int8_t *q13, *q2;
+    const float *s13, *s2;
+};
+
+static void sd_moe_up(const struct moe_rounded *c, int64_t g, int64_t n0, int64_t nr) {
+    const struct sd_moe *m = c->ctx;
+    const int64_t D = c->D, F = c->F, row = m->expert[g] * 2 * F + n0;
+    sd_panel(c->count[g], D, c->rx, c->start[g], m->q13 + row * D, D, m->s13 + row, nr,
+             c->h + c->start[g] * 2 * F + n0, 2 * F);
+}
+
+static void sd_moe_down(const struct moe_rounded *c, int64_t g, int64_t n0, int64_t nr) {
+    const struct sd_moe *m = c->ctx;
+    const int64_t D = c->D, F = c->F, row = m->expert[g] * D + n0;
+    sd_panel(c->count[g], F, c->rh, c->start[g], m->q2 + row * F, F, m->s2 + row, nr,
+             c->y + c->start[g] * D + n0, D);
+}
+
+/* int8.c's moe body on the dot products (common.h's moe_rounded_run in panels): the groups'
+ * rows rounded once, the hidden after its activation too. -1 when the scratch cannot be
+ * allocated (nothing computed). */
 static int moe_sdot(int64_t n_groups, const int64_t *expert, const int64_t *start,
                     const int64_t *count, int64_t D, int64_t F, const float *x,
                     const int8_t *q13, const float *s13, const int8_t *q2, const float *s2,
@@ -305,36 +326,10 @@ static int moe_sdot(int64_t n_groups, const int64_t *expert, const int64_t *star
         R = start[g] + count[g] > R ? start[g] + count[g] : R;
     struct sd_rows rx, rh;
     if (sd_alloc(R, D, 0, &rx) || sd_alloc(R, F, 1, &rh)) return -1;
-    const int64_t panels13 = (2 * F + PANEL - 1) / PANEL, panels2 = (D + PANEL - 1) / PANEL;
-#pragma omp parallel
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        round_group_rows(n_groups, start, count, D, (float *)x, D, 0, sd_round_any, &rx, t, nt);
-#pragma omp barrier
-        int64_t lo, end;
-        moe_share(n_groups, count, panels13, t, nt, &lo, &end);
-        for (int64_t job = lo; job < end; job++) {
-            const int64_t g = job / panels13, n0 = (job % panels13) * PANEL, e = expert[g];
-            const int64_t nr = 2 * F - n0 < PANEL ? 2 * F - n0 : PANEL;
-            sd_panel(count[g], D, &rx, start[g], q13 + (e * 2 * F + n0) * D, D,
-                     s13 + e * 2 * F + n0, nr, h + start[g] * 2 * F + n0, 2 * F);
-        }
-#pragma omp barrier
-        round_group_rows(n_groups, start, count, F, h, 2 * F, 1, sd_round_any, &rh, t, nt);
-#pragma omp barrier
-        moe_share(n_groups, count, panels2, t, nt, &lo, &end);
-        for (int64_t job = lo; job < end; job++) {
-            const int64_t g = job / panels2, n0 = (job % panels2) * PANEL, e = expert[g];
-            const int64_t nr = D - n0 < PANEL ? D - n0 : PANEL;
-            float *yg = y + start[g] * D + n0;
-            sd_panel(count[g], F, &rh, start[g], q2 + (e * D + n0) * F, F, s2 + e * D + n0, nr,
-                     yg, D);
-            for (int64_t i = 0; i < count[g]; i++) {
-                const float w = route_w[start[g] + i];
-                for (int64_t c = 0; c < nr; c++) yg[i * D + c] *= w;
-            }
-        }
-    }
+    const struct sd_moe m = {expert, q13, q2, s13, s2};
+    const struct moe_rounded c = {n_groups, start, count, D, F, PANEL, x, route_w, h, y,
+                                  sd_round_any, &rx, &rh, sd_moe_up, sd_moe_down, &m};
+    moe_rounded_run(&c);
     return 0;
 }
 
