@@ -10,11 +10,12 @@ kernel's source are linked statically with the cross compiler, using the flags
 Python and numpy would need multiarch packages beside the host's, and a static binary needs
 nothing but the cross toolchain and qemu.
 
-CPUS: ``neon`` (a Cortex-A72: NEON only), ``sve256`` (qemu's ``max`` CPU with SVE vectors of
-2 quadwords; it also has the dot-product, int8-matrix and bf16 extensions, so the kernels'
-SDOT and BFMMLA/BFDOT forms run there) and ``sve512`` (an A64FX: 512-bit SVE without those
-extensions, so the SVE bodies run where the others would take over). A kernel's SVE body is
-built for the CPU's vector length, as on a real host (``build.compile_flags``).
+CPUS: ``neon`` (a Cortex-A72: NEON only), ``sve256`` and ``sve512`` (qemu's ``max`` CPU with
+SVE vectors of 2 and 4 quadwords, ``sve-max-vq``; it also has the dot-product, int8-matrix
+and bf16 extensions, so the kernels' SDOT, SMMLA and BFMMLA/BFDOT forms run there) and
+``a64fx`` (an A64FX: 512-bit SVE without those extensions, so the SVE bodies run where the
+others would take over). A kernel's SVE body is built for the CPU's vector length, as on a
+real host (``build.compile_flags``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ MISSING = (
 CPUS = {
     "neon": ("cortex-a72", "fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid", None),
     "sve256": ("max,sve-max-vq=2", "fp asimd asimddp i8mm bf16 sve", 256),
-    "sve512": (
+    "sve512": ("max,sve-max-vq=4", "fp asimd asimddp i8mm bf16 sve", 512),
+    "a64fx": (
         "a64fx",
         "fp asimd evtstrm sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm fcma dcpop sve",
         512,

@@ -3,9 +3,9 @@ qemu (tests/arm/qemu.py), on test_fp32.py's cases, against the same references a
 the few-row GEMM (``F.linear``), the one-call MoE (``moe_reference``), the per-head GEMM
 (``torch.bmm``), RMSNorm and routing; and the GEMMs' twins on bf16 weights (the bf16 format's
 kernels on ARM), against the references on the widened weights. Where the CPU reports the
-BF16 extension (the SVE-256 one), those twins run on BFMMLA/BFDOT (bf16_mmla.h) and are held
+BF16 extension (qemu's ``max`` CPUs), those twins run on BFMMLA/BFDOT (bf16_mmla.h) and are held
 to the references on rows rounded to bf16 (and the MoE hidden rounded once), as
-test_bf16_amx.py holds AMX; elsewhere (NEON, SVE-512) to the exact ones."""
+test_bf16_amx.py holds AMX; elsewhere (NEON, the A64FX) to the exact ones."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """ops/cpu/int8.c's aarch64 bodies (NEON, and SVE at two vector lengths) built and run under
 qemu (tests/arm/qemu.py), on test_int8.py's cases, against the same references and bounds:
 the weight-only few-row GEMM (``linear_int8_ref``), the one-call MoE (``moe_int8_ref``) and
-the dequantization that prefill hands to BLAS. The SVE-256 CPU reports the dot product and
-the int8 matrix multiply, so its calls run on SDOT (one row) or SMMLA (int8_sdot.h) and are
-held to the references on rows rounded as those round them (``int4.round_rows_ref``); the
-NEON CPU (a Cortex-A72) and the SVE-512 one (an A64FX) have no dot product and run the fp32
-form on every call (a CPU with SDOT but no SMMLA takes it up to ``int8.SDOT_MAX_ROWS``
-rows)."""
+the dequantization that prefill hands to BLAS. qemu's ``max`` CPUs report the dot product and
+the int8 matrix multiply, so their calls run on SDOT (one row) or SMMLA (int8_sdot.h) and
+are held to the references on rows rounded as those round them (``int4.round_rows_ref``);
+the NEON CPU (a Cortex-A72) and the A64FX have no dot product and run the fp32 form on every
+call (a CPU with SDOT but no SMMLA takes it up to ``int8.SDOT_MAX_ROWS`` rows)."""
 
 from __future__ import annotations
 
