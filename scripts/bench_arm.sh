@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for an ARM (aarch64) host: which kernels load there, the kernel benchmarks
-# (fp32 and weight-only int8 few-row GEMMs and MoE calls against torch's GEMM) and the
-# offline benchmark on the benchmark model (fp32 and int8, moeserve against transformers),
+# (fp32, bf16-weight and weight-only int8 few-row GEMMs and MoE calls against torch's GEMM)
+# and the offline benchmark on the benchmark model (fp32, int8 and bf16, moeserve against
+# transformers),
 # everything into one folder to send back with the host's description.
 #
 #     scripts/bench_arm.sh [--threads N] [--out DIR] [--quick]
