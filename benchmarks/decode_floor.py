@@ -136,8 +136,8 @@ def counting_ctypes(counts: dict[str, int], model: torch.nn.Module):
 def unbind(model: torch.nn.Module) -> None:
     """Drop the prebound kernel calls of every layer (they bind again on their next call)."""
     for m in model.modules():
-        if getattr(m, "_decode_calls", None) is not None:
-            m._decode_calls = None
+        if hasattr(m, "use_decode_calls"):
+            m.use_decode_calls()
         if getattr(m, "_kernel", None) is not None:
             m._kernel = None
 

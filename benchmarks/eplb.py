@@ -154,7 +154,7 @@ def capture_model_routing(
 
     handles = [b.gate.register_forward_hook(hook(i)) for i, b in enumerate(blocks)]
     for b in blocks:  # decode through the gate module (the prebound calls route in C, unseen)
-        b._decode_calls = False
+        b.use_decode_calls(False)
     saved = [b.gate.e_score_correction_bias.detach().clone() for b in blocks]
     if hot_bias:
         g = torch.Generator().manual_seed(11)
@@ -173,7 +173,7 @@ def capture_model_routing(
         for h in handles:
             h.remove()
         for b in blocks:
-            b._decode_calls = None  # bind again on the next step
+            b.use_decode_calls()  # bind again on the next step
         for b, bias in zip(blocks, saved):
             b.gate.e_score_correction_bias.data.copy_(bias)
         llm.shutdown()

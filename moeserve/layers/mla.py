@@ -77,6 +77,12 @@ class MLAttention(nn.Module):
         # the decode step as prebound kernel calls (built on first use; False: not here)
         self._decode_calls: MLADecodeCalls | bool | None = None
 
+    def use_decode_calls(self, enabled: bool = True) -> None:
+        """Decode through the prebound kernel calls (bound again on the next step), or, not
+        ``enabled``, through the modules in torch (what hooks on the submodules see; the
+        kernels' reference)."""
+        self._decode_calls = None if enabled else False
+
     def process_weights_after_loading(self) -> None:
         self._decode_calls = None  # weights move or change: bind again on the next decode
         # a quantized kv_b_proj is absorbed dequantized, in the model dtype, and held as its

@@ -103,6 +103,12 @@ class MoEBlock(nn.Module):
         # the decode step as prebound kernel calls (built on first use; False: not here)
         self._decode_calls: MoEDecodeCalls | bool | None = None
 
+    def use_decode_calls(self, enabled: bool = True) -> None:
+        """Decode through the prebound kernel calls (bound again on the next step), or, not
+        ``enabled``, through the modules in torch (what hooks on the submodules see; the
+        kernels' reference)."""
+        self._decode_calls = None if enabled else False
+
     def process_weights_after_loading(self) -> None:
         self._decode_calls = None  # weights change: bind again on the next step
 

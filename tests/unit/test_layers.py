@@ -152,7 +152,7 @@ def test_mla_decode_calls_equal_the_torch_path(B, int8):
     outs = []
     for fast, cache in zip((True, False), caches):
         attn.kv_cache = cache
-        attn._decode_calls = None if fast else False
+        attn.use_decode_calls(fast)
         got = []
         with torch.no_grad():
             for step in range(3):
@@ -189,7 +189,7 @@ def test_moe_decode_calls_equal_the_torch_path(T, int8):
     _fill_random(block, 0.3, int8)
     outs, counts = [], []
     for fast in (True, False):
-        block._decode_calls = None if fast else False
+        block.use_decode_calls(fast)
         block.expert_counts_E.zero_()
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
