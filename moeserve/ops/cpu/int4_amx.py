@@ -55,13 +55,16 @@ FEW_ROWS = 4
 TILES, DOTS = "tiles", "dots"
 # int4's own numerics on the tiles (``rows16``): each row in 16-bit fixed point
 # (``int4.rows16_ref``, the rounding of int4's integer dots) on two byte planes, a tile
-# product per plane. The int4 format runs products of this many rows or more (a projection's;
-# an MoE call's rows an expert on average) there instead of on its dots or fp32 panels
-# (benchmarks/amx_gemm.py, group 128, 2 threads, Xeon with AMX; docs/benchmarks.md "int4 on
-# AMX's tiles"): a 2816 x 2048 projection 0.82x int4's integer dots at 4 rows, 1.1x at 5, 1.26x
-# at 6, 1.5x at 8, 4x from 32; the benchmark model's MoE call 0.72x at 4 rows an expert, 1.14x
-# at 6, 1.2x at 8, 2.7x at 48
-ROWS16_MIN = 6
+# product per plane. The int4 format runs projections of ROWS16_MIN rows or more, and MoE
+# calls of MOE_ROWS16_MIN rows an expert on average or more, there instead of on its dots or
+# fp32 panels (group 128, 2 threads, Xeon with AMX; docs/benchmarks.md "int4 on AMX's
+# tiles"). benchmarks/amx_gemm.py: a 2816 x 2048 projection alone 0.82x the dots at 4 rows,
+# 1.26x at 6, 1.5x at 8, 4x from 32; the benchmark model's MoE call 0.72x at 4 rows an
+# expert, 1.14x at 6, 2.7x at 48. The engine's decode (its smaller projections, one after
+# another): the tiles from 6 rows cost 4-8% at batch 8, from 9 rows gave 1.05x at 16 and 1.14x
+# at 32 against the dots.
+ROWS16_MIN = 12
+MOE_ROWS16_MIN = 6
 
 
 def gemm_ref(x: torch.Tensor, w: Int4Tensor, rows16: bool = False) -> torch.Tensor:
@@ -290,11 +293,11 @@ def moe_rows16_usable(
     x_RD: torch.Tensor, counts: list[int], w13: Int4Tensor, w2: Int4Tensor
 ) -> bool:
     """Whether the int4 format runs this MoE call on the tiles in its own numerics
-    (:func:`moe_experts` with ``rows16``): :data:`ROWS16_MIN` rows an expert or more on
+    (:func:`moe_experts` with ``rows16``): :data:`MOE_ROWS16_MIN` rows an expert or more on
     average, weights of one group size that the tiles take."""
     return (
         _moe_rows_ok(x_RD, counts, w13, w2)
-        and sum(counts) >= ROWS16_MIN * len(counts)
+        and sum(counts) >= MOE_ROWS16_MIN * len(counts)
         and w13.group_size == w2.group_size
         and tiles_take(w13)
         and tiles_take(w2)

@@ -3,7 +3,7 @@ point per ``group_size`` columns), fp32 activations.
 
     few rows (decode), CPU        the kernels of ops/cpu/int4.c (AVX2 or AVX-512): the
                                   nibbles unpacked in registers, each weight row streamed once
-    6 rows or more, AMX-INT8      AMX's int8 tiles (ops/cpu/int4_amx.c with rows16): the codes
+    12 rows or more, AMX-INT8     AMX's int8 tiles (ops/cpu/int4_amx.c with rows16): the codes
                                   unpacked to int8, each row in 16-bit fixed point on two byte
                                   planes, the rounding int4's integer dots use (4-5x the
                                   kernels above from 16 rows: docs/benchmarks.md)
@@ -162,7 +162,8 @@ class Int4Format(WeightFormat):
 
     def experts_in_order(self, x_RD, experts, counts, q13, q2, weight_R):
         """:meth:`moe_experts` once each row holds its columns in its weights' order: AMX's
-        tiles from ``int4_amx.ROWS16_MIN`` rows an expert on average, else int4.c's call."""
+        tiles from ``int4_amx.MOE_ROWS16_MIN`` rows an expert on average, else int4.c's
+        call."""
         if int4_amx.moe_rows16_usable(x_RD, counts, q13, q2):
             return int4_amx.moe_experts(x_RD, experts, counts, q13, q2, weight_R, rows16=True)
         if int4_kernels.moe_usable(x_RD, counts, q13, q2):

@@ -148,7 +148,7 @@ def test_moe_matches_reference(counts, group):
 def test_moe_usable_from_rows16_min_rows_an_expert():
     E, D, F_ = 4, 128, 128
     w13, w2 = int4_weight(E, 2 * F_, D, seed=1), int4_weight(E, D, F_, seed=2)
-    least = int4_amx.ROWS16_MIN
+    least = int4_amx.MOE_ROWS16_MIN
     x = torch.randn(2 * least, D)
     assert int4_amx.moe_rows16_usable(x, [least, least], w13, w2)
     assert not int4_amx.moe_rows16_usable(x[:-1], [least, least - 1], w13, w2)

@@ -142,9 +142,9 @@ def test_int4_engine_matches_fp32_on_dequantized_weights(checkpoints, kind, symm
 def test_other_paths_match_too(checkpoints, tmp_path, monkeypatch, path):
     """The AVX2 kernels (FMA and integer dots) on a CPU that would pick AVX-512, AVX-512F's
     lookups on one that would pick VNNI's integer dots, the torch references without
-    kernels (all without AMX's tiles); and the tiles taking every product of
-    ``int4_amx.ROWS16_MIN`` rows or more (prefill: the rows rounded to 16 bits, as the integer
-    dots round them)."""
+    kernels (all without AMX's tiles); and the tiles taking the prefill's products (from
+    ``int4_amx.ROWS16_MIN`` rows, the experts from ``MOE_ROWS16_MIN`` an expert: the rows
+    rounded to 16 bits, as the integer dots round them)."""
     if path == "tiles":
         if not int4_amx.available():
             pytest.skip("no AMX-INT8 here")
