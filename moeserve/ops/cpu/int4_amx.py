@@ -1,7 +1,9 @@
 """The w4a8_int8 kernels: ``int4_amx.c`` (group-wise int4 weights unpacked to int8 tiles,
 times activations quantized to int8 per token row, on AMX's TDPBSSD), and for few rows int4's
 integer dots (``int4.c``, ``int4_idot.h``) on the rows put on the same int8 grids; and their
-pure-torch references.
+pure-torch references. The same tiles also run the int4 format's many-row products in its
+own numerics (``rows16``: each row in 16-bit fixed point on two byte planes, as int4's
+integer dots round it; :func:`rows16_usable`, :func:`moe_rows16_usable`).
 
     s[m] = max|x[m]| / 127,   xq[m] = round(x[m] * (127 / max|x[m]|))      (0 for a zero row)
     y[m, n] = s[m] * sum_g scale[n, g] * sum_{k in g} xq[m, k] * (u[n, k] - zero[n, g])
