@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
+from int8_gemm import best_ms as int8_best_ms
+from int8_gemm import copies, cycling  # the same cold-weight rotation as the int8 benchmark
 
 from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.cpu import int4, int8
@@ -32,34 +34,7 @@ from moeserve.quant.int8 import Int8Tensor, quantize_rows
 
 SHAPES = [(1024, 1024), (6144, 384), (32000, 1024)]
 GROUPS = (128, 32)
-COLD_BYTES = 192 << 20  # copies of a weight fill this much: well past the L3 cache
-
-
-def copies(parts: tuple[torch.Tensor, ...], total: int = COLD_BYTES) -> list[tuple]:
-    """Clones of the tensors of one weight, together at least ``total`` bytes."""
-    size = sum(t.numel() * t.element_size() for t in parts)
-    return [tuple(t.clone() for t in parts) for _ in range(max(1, -(-total // size)))]
-
-
-def cycling(items: list):
-    i = 0
-
-    def next_item():
-        nonlocal i
-        i += 1
-        return items[i % len(items)]
-
-    return next_item
-
-
-def best_ms(fn, budget_s: float = 0.15, min_reps: int = 3) -> float:
-    fn()
-    times, t_end = [], time.perf_counter() + budget_s
-    while len(times) < min_reps or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+best_ms = partial(int8_best_ms, budget_s=0.15)  # many forms a case: a shorter budget each
 
 
 LEVELS = {"avx2": int4.AVX2, "avx2-idot": int4.AVX2_IDOT, "avx512": int4.AVX512, "vnni": int4.VNNI}

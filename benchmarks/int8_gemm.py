@@ -34,8 +34,14 @@ SHAPES = [(1024, 512), (1024, 1024), (6144, 384), (32000, 1024)]
 COLD_BYTES = 192 << 20  # copies of a weight fill this much: well past the L3 cache
 
 
-def copies(t: torch.Tensor, total: int = COLD_BYTES) -> list[torch.Tensor]:
-    n = max(1, -(-total // (t.numel() * t.element_size())))
+def copies(t, total: int = COLD_BYTES) -> list:
+    """Clones of ``t`` (a tensor, or a tuple of the tensors of one weight: tuples of clones),
+    together at least ``total`` bytes, so cycling through them streams from memory."""
+    parts = t if isinstance(t, tuple) else (t,)
+    size = sum(p.numel() * p.element_size() for p in parts)
+    n = max(1, -(-total // size))
+    if isinstance(t, tuple):
+        return [tuple(p.clone() for p in t) for _ in range(n)]
     return [t.clone() for _ in range(n)]
 
 
@@ -51,6 +57,7 @@ def cycling(items: list):
 
 
 def best_ms(fn, budget_s: float = 0.3, min_reps: int = 3) -> float:
+    """The best time (ms) of ``fn`` over at least ``min_reps`` calls and ``budget_s``."""
     fn()
     times, t_end = [], time.perf_counter() + budget_s
     while len(times) < min_reps or time.perf_counter() < t_end:
