@@ -64,13 +64,13 @@ static void bm_round_row(int64_t K, const float *x, const struct bm_rows *r, int
     for (; k < r->kp; k++) out[k] = 0;
 }
 
-/* [a's 4 columns | b's 4 columns] and the next 4 of each: a pair of rows as BFMMLA takes it */
+/* [a's 4 columns | b's 4 columns] and the next 4 of each (common.h: zip_rows64) */
 static inline void bm_zip(const uint16_t *a, const uint16_t *b, bfloat16x8_t *lo,
                           bfloat16x8_t *hi) {
-    const uint64x2_t u = vreinterpretq_u64_u16(vld1q_u16(a));
-    const uint64x2_t v = vreinterpretq_u64_u16(vld1q_u16(b));
-    *lo = vreinterpretq_bf16_u64(vzip1q_u64(u, v));
-    *hi = vreinterpretq_bf16_u64(vzip2q_u64(u, v));
+    uint64x2_t l, h;
+    zip_rows64(a, b, &l, &h);
+    *lo = vreinterpretq_bf16_u64(l);
+    *hi = vreinterpretq_bf16_u64(h);
 }
 
 /* One step of 8 columns: row pairs 0..mp-1 (rows x[2 i], x[2 i + 1], each at column k)

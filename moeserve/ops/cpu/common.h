@@ -69,6 +69,15 @@ static inline void silu_mul_row(int64_t F, float *row) {
 
 #define PREFETCH_T0(p) __builtin_prefetch((const void *)(p), 0, 3)
 
+/* Two rows' 16 bytes at a and b as the matrix instructions (SMMLA, BFMMLA) take a pair of
+ * rows: lo = [a's first 8 bytes | b's first 8], hi = [a's last 8 | b's last 8] */
+static inline void zip_rows64(const void *a, const void *b, uint64x2_t *lo, uint64x2_t *hi) {
+    const uint64x2_t u = vreinterpretq_u64_u8(vld1q_u8((const uint8_t *)a));
+    const uint64x2_t v = vreinterpretq_u64_u8(vld1q_u8((const uint8_t *)b));
+    *lo = vzip1q_u64(u, v);
+    *hi = vzip2q_u64(u, v);
+}
+
 /* e^x for x <= 0, 4 at a time: exp256_neg's polynomial and clamp on NEON */
 static inline float32x4_t exp4_neg(float32x4_t x) {
     x = vmaxq_f32(x, vdupq_n_f32(-87.0f));

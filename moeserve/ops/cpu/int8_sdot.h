@@ -156,11 +156,12 @@ static inline __attribute__((always_inline)) void sd_block(const int mb, const i
  * the weights' last K % 16 columns come from a zeroed copy (the planes are zero padded). ---- */
 #define SM_RP 4
 
-/* [a's 8 bytes | b's 8 bytes] and the next 8 of each */
+/* [a's 8 bytes | b's 8 bytes] and the next 8 of each (common.h: zip_rows64) */
 static inline void sm_zip(const int8_t *a, const int8_t *b, int8x16_t *lo, int8x16_t *hi) {
-    const int64x2_t u = vreinterpretq_s64_s8(vld1q_s8(a)), v = vreinterpretq_s64_s8(vld1q_s8(b));
-    *lo = vreinterpretq_s8_s64(vzip1q_s64(u, v));
-    *hi = vreinterpretq_s8_s64(vzip2q_s64(u, v));
+    uint64x2_t l, h;
+    zip_rows64(a, b, &l, &h);
+    *lo = vreinterpretq_s8_u64(l);
+    *hi = vreinterpretq_s8_u64(h);
 }
 
 /* One step of 16 columns: row pairs i < mp (planes xh[2 i], xh[2 i + 1] and xl's, at column
