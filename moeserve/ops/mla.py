@@ -21,13 +21,10 @@ def head_gemm(x_HMK: torch.Tensor, w_HNK: torch.Tensor, out_HMN: torch.Tensor) -
 def absorbed_weights(
     kv_b_weight, dtype: torch.dtype, H: int, N: int, V: int, C: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(W_UK [H, C, N], W_UV [H, V, C])`` from ``kv_b_proj``'s weight ``[H * (N + V), C]``
-    (dense in ``dtype`` when its format is not), held as its format wants them for decode."""
-    fmt = formats.of(kv_b_weight)
-    w = fmt.dense(kv_b_weight, dtype).view(H, N + V, C)
-    uk_HCN = w[:, :N, :].transpose(1, 2).contiguous()
-    uv_HVC = w[:, N:, :].contiguous()
-    return fmt.absorbed(uk_HCN, uv_HVC)
+    """``(W_UK [H, C, N], W_UV [H, V, C])`` from ``kv_b_proj``'s weight ``[H * (N + V), C]``,
+    held as its format wants them for decode (dense in ``dtype``, or int8 codes with their
+    scales: ``quant/head_codes.py``)."""
+    return formats.of(kv_b_weight).absorbed(kv_b_weight, dtype, H, N, V, C)
 
 
 def bind_mla_decode(

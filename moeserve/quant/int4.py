@@ -260,6 +260,13 @@ class Int4Tensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_groups(self.q, self.scale, self.zero, dtype)
 
+    def signed_codes(self) -> torch.Tensor:
+        """The codes less their group's zero point, ``[..., N, K]`` int8 in [-15, 15] (in the
+        stored column order): the weight is these times their group's scale."""
+        u = unpack_nibbles(self.q).to(torch.int16)
+        g = u.view(*u.shape[:-1], -1, self.group_size) - self.zero.to(torch.int16).unsqueeze(-1)
+        return g.to(torch.int8).view(u.shape)
+
 
 class Int4Weight(nn.Module):
     """An int4 weight held by a layer in place of its float parameter: parameters ``q``,

@@ -12,6 +12,7 @@ from moeserve.models.hf_config import ModelConfig
 from moeserve.ops.cpu.mla_decode import MLADecodeCalls
 from moeserve.ops.moe import moe_grouped, moe_reference
 from moeserve.ops.routing import route_grouped_sigmoid
+from moeserve.quant.head_codes import HeadCodes
 from tests.checkpoints import DEEPSEEK_KW
 
 
@@ -165,6 +166,8 @@ def test_mla_decode_calls_equal_the_torch_path(B, int8):
         outs.append(got)
         if fast:  # the calls ran (bound for B rows), not the fallback
             assert isinstance(attn._decode_calls, MLADecodeCalls) and attn._decode_calls.T == B
+            # int8: the absorbed products on kv_b_proj's codes (ops/cpu/int8_heads.py)
+            assert isinstance(attn._decode_calls.w.uk.w, HeadCodes) == int8
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert torch.equal(caches[0], caches[1])

@@ -156,7 +156,7 @@ def bind_head_gemm(w_HNK: torch.Tensor) -> BoundHeadGemm | None:
     does not take it."""
     if not (w_HNK.is_contiguous() and weight_ok(w_HNK) and available()):
         return None
-    return BoundHeadGemm(_library().moeserve_amx_head_gemm_nt_f32, w_HNK, 0)
+    return BoundHeadGemm.dense(_library().moeserve_amx_head_gemm_nt_f32, w_HNK, 0)
 
 
 def head_usable(x_HMK: torch.Tensor, w_HNK: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:

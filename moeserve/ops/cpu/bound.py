@@ -130,13 +130,22 @@ class MoEBuffers:
 
 @dataclass(frozen=True, eq=False)
 class BoundHeadGemm:
-    """``x[h] @ w[h].T`` for every head through ``fn(H, M, N, K, x, ldx_h, ldx_m, w, ldw_h,
-    ldw_n, out, ldo_h, ldo_m, wide)``, the argument list the per-head kernels share (a
-    nonzero return: a failed allocation), with the weight ``w [H, N, K]`` bound."""
+    """``x[h] @ w[h].T`` for every head through ``fn(H, M, N, K, x, ldx_h, ldx_m, *w_args,
+    out, ldo_h, ldo_m, wide)``, the argument list the per-head kernels share (a nonzero
+    return: a failed allocation), with the weight ``w [H, N, K]`` bound: ``w_args`` its
+    pointers and strides as the kernel takes them, ``pointers`` the tensors behind them."""
 
     fn: object
-    w: torch.Tensor
+    w: object
+    w_args: tuple
     wide: int
+    pointers: Pointers
+
+    @staticmethod
+    def dense(fn, w_HNK: torch.Tensor, wide: int) -> BoundHeadGemm:
+        """The call of a kernel that takes a dense weight as ``(w, ldw_h, ldw_n)``."""
+        w_args = (w_HNK.data_ptr(), w_HNK.stride(0), w_HNK.stride(1))
+        return BoundHeadGemm(fn, w_HNK, w_args, wide, pointers(w_HNK))
 
 
 class BoundExperts(Protocol):

@@ -480,4 +480,4 @@ def bind_head_gemm(w_HNK: torch.Tensor) -> BoundHeadGemm | None:
     ok = w_HNK.dtype in _PREFIX and w_HNK.device.type == "cpu" and w_HNK.is_contiguous()
     if not (ok and available()):
         return None
-    return BoundHeadGemm(_entry("head_gemm_nt_small", w_HNK.dtype), w_HNK, int(wide()))
+    return BoundHeadGemm.dense(_entry("head_gemm_nt_small", w_HNK.dtype), w_HNK, int(wide()))

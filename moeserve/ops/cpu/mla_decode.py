@@ -8,7 +8,8 @@ Per step, seven ctypes calls and no torch ops besides the output's allocation::
     qkv = x @ [q_a | kv_a]                      the bound projection (any weight format)
     qn  = rms_norm(qkv[:, :Q]);  q = qn @ q_b   (q = x @ q_proj without a q LoRA)
     rope(q_pe), [norm(c_kv) | rope(k_pe)] -> the latent cache        (rope.c)
-    q_lat[h] = q_nope[h] @ W_UK[h]^T            the bound per-head GEMM (fp32 or bf16 weights)
+    q_lat[h] = q_nope[h] @ W_UK[h]^T            the bound per-head GEMM (fp32, bf16 or int8
+                                                codes: the weight's format)
     o_lat = paged attention over the latent cache                    (attention.c)
     out[t, h] = o_lat[h, t] @ W_UV[h]^T;  y = out @ o_proj (+ all-reduce over tp)
 
@@ -72,9 +73,9 @@ class MLADecodeCalls:
         self.norm_fn = fp32_kernels._library().moeserve_rms_norm
         self.rope_fn = rope._library().moeserve_mla_rope_cache
         self.attn_fn = cpu_attention._library().moeserve_paged_decode_attention
-        self.wide = int(fp32_kernels.wide())
         norms = [w.kv_norm] + ([w.q_norm] if w.Q else [])
-        self.pointers: Pointers = pointers(*norms, w.cos, w.sin, w.uk.w, w.uv.w, w.cache)
+        self.pointers: Pointers = pointers(*norms, w.cos, w.sin, w.cache)
+        self.pointers += w.uk.pointers + w.uv.pointers
         self.pointers += w.qkv_a.pointers + w.q_b.pointers + w.o.pointers
         self.T = 0  # the row count the buffers and argument tuples below are for
 
@@ -140,15 +141,15 @@ class MLADecodeCalls:
         self.rope_head += (w.kv_norm_eps, w.cos.data_ptr(), w.sin.data_ptr())
         self.rope_mid = (int(w.interleave), self.cache.data_ptr())
         # q_lat[h] = q_nope[h] @ W_UK[h]^T: x rows [h, t] at q + h*K + t*H*K
-        self.uk_args = (H, T, C, N, q, K, H * K, w.uk.w.data_ptr(), C * N, N)
-        self.uk_args += (self.q_lat.data_ptr(), T * C, C, self.wide)
+        self.uk_args = (H, T, C, N, q, K, H * K, *w.uk.w_args)
+        self.uk_args += (self.q_lat.data_ptr(), T * C, C, w.uk.wide)
         # attention: (B, G, Hg, Dk, Dv, D1, q1 [b, h] at b*C + h*T*C, q2 = q_pe, scale, cache)
         self.attn_head = (T, 1, H, C + R, C, C, self.q_lat.data_ptr(), C, T * C)
         self.attn_head += (q + 4 * N, H * K, K, w.scale, self.cache.data_ptr(), C + R, 0, 0, 0, 0)
         self.attn_out = (self.o_lat.data_ptr(), C, T * C, 0)  # 0: the cache is fp32
         # out[t, h] = o_lat[h, t] @ W_UV[h]^T
-        self.uv_args = (H, T, V, C, self.o_lat.data_ptr(), T * C, C, w.uv.w.data_ptr(), V * C, C)
-        self.uv_args += (self.out.data_ptr(), V, H * V, self.wide)
+        self.uv_args = (H, T, V, C, self.o_lat.data_ptr(), T * C, C, *w.uv.w_args)
+        self.uv_args += (self.out.data_ptr(), V, H * V, w.uv.wide)
         self.T = T
 
     def __call__(

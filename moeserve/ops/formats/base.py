@@ -77,6 +77,15 @@ def into_fp32_out(
     return out
 
 
+def dense_absorbed(
+    w: torch.Tensor, H: int, N: int, V: int, C: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W_UK [H, C, N], W_UV [H, V, C])`` from ``kv_b_proj``'s dense weight
+    ``[H * (N + V), C]``."""
+    w = w.view(H, N + V, C)
+    return w[:, :N, :].transpose(1, 2).contiguous(), w[:, N:, :].contiguous()
+
+
 class WeightFormat:
     """The plain-torch format; subclasses override what their kernels do faster."""
 
@@ -118,12 +127,12 @@ class WeightFormat:
         """A contiguous copy of rows ``ids_H`` of ``w [N, K]``, in this format."""
         return w.detach()[ids_H].contiguous()
 
-    def absorbed(
-        self, uk_HCN: torch.Tensor, uv_HVC: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLA's absorbed ``W_UK``/``W_UV``, dequantized from this format's ``kv_b_proj``, as
-        the decode's per-head products should hold them."""
-        return uk_HCN, uv_HVC
+    def absorbed(self, kv_b, dtype: torch.dtype, H: int, N: int, V: int, C: int) -> tuple:
+        """MLA's absorbed ``(W_UK [H, C, N], W_UV [H, V, C])`` from this format's
+        ``kv_b_proj`` weight ``[H * (N + V), C]``, as the decode's per-head products should
+        hold them (weights :func:`~moeserve.ops.formats.of` answers for); here dense in
+        ``dtype``."""
+        return dense_absorbed(self.dense(kv_b, dtype), H, N, V, C)
 
     def weight_bytes(self, shape: tuple[int, ...]) -> int:
         """Bytes a weight of ``shape`` (``[..., N, K]``) streams per full read."""
@@ -161,7 +170,8 @@ class WeightFormat:
     def head_gemm(
         self, x_HMK: torch.Tensor, w_HNK: torch.Tensor, out_HMN: torch.Tensor
     ) -> torch.Tensor:
-        """``out[h] = x[h] @ w[h].T`` (MLA's absorbed per-head products)."""
+        """``out[h] = x[h] @ w[h].T`` (MLA's absorbed per-head products, ``w`` as
+        :meth:`absorbed` holds it)."""
         return out_HMN.copy_(torch.bmm(x_HMK.to(w_HNK.dtype), w_HNK.transpose(1, 2)))
 
     # -- decode: prebound kernel calls -------------------------------------------------------

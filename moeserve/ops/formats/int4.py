@@ -29,7 +29,7 @@ import torch
 
 from moeserve.ops import formats
 from moeserve.ops.cpu import int4 as int4_kernels
-from moeserve.ops.cpu import int4_amx
+from moeserve.ops.cpu import int4_amx, int8_heads
 from moeserve.ops.formats import check_options
 from moeserve.ops.formats.base import (
     WeightFormat,
@@ -45,6 +45,7 @@ class Int4Format(WeightFormat):
     activation_dtype = torch.float32
     kn_layout_ok = False
     rounds_activations = False  # w4a8_int8: every GEMM rounds its input rows to int8
+    absorbed_bytes = 1.0  # MLA's absorbed weights as int8 codes (quant/head_codes.py)
 
     def __init__(
         self,
@@ -104,6 +105,17 @@ class Int4Format(WeightFormat):
 
     def take_rows(self, w, ids_H):
         return as_int4(w).take(ids_H)
+
+    def absorbed(self, kv_b, dtype, H, N, V, C):
+        """As int8 codes, exactly (``quant/head_codes.py``): the codes less their zero points,
+        a scale per group; dense where a GPTQ act-order checkpoint reordered the columns."""
+        w = as_int4(kv_b)
+        held = None
+        if w.perm is None:
+            R = N + V
+            codes, scale = w.signed_codes().view(H, R, C), w.scale.view(H, R, -1)
+            held = int8_heads.absorbed(codes, scale, N)
+        return held or super().absorbed(kv_b, dtype, H, N, V, C)
 
     def linear(self, x, w, bias=None):
         w = as_int4(w)

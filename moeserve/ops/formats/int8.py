@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.ops.cpu import int8 as int8_kernels
+from moeserve.ops.cpu import int8_heads
 from moeserve.ops.formats.base import (
     WeightFormat,
     dequantized_blocks,
@@ -34,6 +35,7 @@ class Int8Format(WeightFormat):
     activation_dtype = torch.float32
     bytes_per_weight = 1.0
     scale_bytes_per_row = 4.0
+    absorbed_bytes = 1.0  # int8 codes and their scales (quant/head_codes.py)
     kn_layout_ok = False
     rounds_activations = False  # w8a8_int8: every GEMM rounds its input rows to int8
 
@@ -49,6 +51,11 @@ class Int8Format(WeightFormat):
     def take_rows(self, w, ids_H):
         q = as_int8(w)
         return Int8Tensor(q.q[ids_H].contiguous(), q.scale[ids_H].contiguous(), self.name)
+
+    def absorbed(self, kv_b, dtype, H, N, V, C):
+        w = as_int8(kv_b)
+        held = int8_heads.absorbed(w.q.view(H, N + V, C), w.scale.view(H, N + V, 1), N)
+        return held or super().absorbed(kv_b, dtype, H, N, V, C)
 
     def linear(self, x, w, bias=None):
         w = as_int8(w)
@@ -75,11 +82,22 @@ class Int8Format(WeightFormat):
             return int8_kernels.moe_experts(x_RD, experts, counts, q13, q2, weight_R)
         return None
 
+    def head_gemm(self, x_HMK, w_HNK, out_HMN):
+        """MLA's absorbed products on :meth:`absorbed`'s int8 codes (``w_HNK`` a
+        :class:`~moeserve.quant.head_codes.HeadCodes`; int4's too)."""
+        ok = out_HMN.dtype == torch.float32 and out_HMN.stride(2) == 1
+        if ok and int8_heads.usable(x_HMK, w_HNK):
+            return int8_heads.head_gemm_nt(x_HMK, w_HNK, out_HMN)
+        return out_HMN.copy_(int8_heads.head_gemm_ref(x_HMK, w_HNK))
+
     def bind_linear(self, w, fallback):
         return int8_kernels.bind_gemm(as_int8(w), fallback)
 
     def bind_moe(self, w13_EFD, w2_EDF):
         return int8_kernels.BoundMoE.bind(as_int8(w13_EFD), as_int8(w2_EDF))
+
+    def bind_head_gemm(self, w_HNK):
+        return int8_heads.bind_head_gemm(w_HNK)
 
 
 def _int8_matmul(x: torch.Tensor, w: Int8Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -11,21 +11,25 @@ VNNI, below 256 rows) the rows are rounded to their int8 grids in torch
 (``int8_amx.fake_quant``) and run through int4's weight-only paths, and the routed experts run
 per expert, so the hidden is rounded too. The
 group size and symmetry are int4's options; an AWQ or GPTQ checkpoint serves in this format as
-it does in int4's. MLA's absorbed ``W_UK``/``W_UV`` are held as w8a8_int8 holds them.
+it does in int4's. MLA's absorbed ``W_UK``/``W_UV`` are held in bf16 where the bf16 AMX
+kernels take them, as w8a8_int8 holds them, elsewhere as int4 holds them.
 """
 
 from __future__ import annotations
 
 from moeserve.ops.cpu import int4_amx, int8_amx
 from moeserve.ops.formats.int4 import Int4Format
-from moeserve.ops.formats.w8a8_int8 import W8a8Int8Format
+from moeserve.ops.formats.w8a8_int8 import W8a8Int8Format, amx_bf16_absorbed
 from moeserve.quant.int4 import as_int4
 
 
 class W4a8Int8Format(Int4Format):
     rounds_activations = True
     absorbed_bytes = W8a8Int8Format.absorbed_bytes
-    absorbed = W8a8Int8Format.absorbed  # bf16 where the AMX kernels take them
+
+    def absorbed(self, kv_b, dtype, H, N, V, C):
+        held = amx_bf16_absorbed(self, kv_b, dtype, H, N, V, C)
+        return held or super().absorbed(kv_b, dtype, H, N, V, C)
 
     def kernels_available(self) -> bool:
         return int4_amx.available() or int4_amx.dots_available()

@@ -1,11 +1,13 @@
 """ops/cpu/int8.c's aarch64 bodies (NEON, and SVE at two vector lengths) built and run under
 qemu (tests/arm/qemu.py), on test_int8.py's cases, against the same references and bounds:
 the weight-only few-row GEMM (``linear_int8_ref``), the one-call MoE (``moe_int8_ref``) and
-the dequantization that prefill hands to BLAS. qemu's ``max`` CPUs report the dot product and
-the int8 matrix multiply, so their calls run on SDOT (one row) or SMMLA (int8_sdot.h) and
-are held to the references on rows rounded as those round them (``int4.round_rows_ref``);
-the NEON CPU (a Cortex-A72) and the A64FX have no dot product and run the fp32 form on every
-call (a CPU with SDOT but no SMMLA takes it up to ``int8.SDOT_MAX_ROWS`` rows)."""
+the dequantization that prefill hands to BLAS, and MLA's absorbed products on int8 codes
+(``int8_heads.head_gemm_ref``: the fp32 form on every CPU). qemu's ``max`` CPUs report the
+dot product and the int8 matrix multiply, so their GEMM and MoE calls run on SDOT (one row)
+or SMMLA (int8_sdot.h) and are held to the references on rows rounded as those round them
+(``int4.round_rows_ref``); the NEON CPU (a Cortex-A72) and the A64FX have no dot product and
+run the fp32 form on every call (a CPU with SDOT but no SMMLA takes it up to
+``int8.SDOT_MAX_ROWS`` rows)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.cpu import int4, int8
+from moeserve.ops.cpu import int4, int8, int8_heads
+from moeserve.quant.head_codes import HeadCodes
 from moeserve.quant.int8 import Int8Weight
 from tests.arm import qemu
 from tests.helpers import sort_by_expert
@@ -26,6 +29,9 @@ from tests.unit.ops.cpu.test_int8 import (
     ref,
     rows,
 )
+from tests.unit.ops.cpu.test_int8_heads import ROWS as HEAD_ROWS
+from tests.unit.ops.cpu.test_int8_heads import SHAPES as HEAD_SHAPES
+from tests.unit.ops.cpu.test_int8_heads import codes
 
 pytestmark = pytest.mark.skipif(qemu.MISSING is not None, reason=qemu.MISSING or "")
 
@@ -120,3 +126,21 @@ def test_dequant_matches_on_arm(driver):
     w = rows(9, 1003, 7)
     (out,) = qemu.run(binary, cpu, [qemu.dims(2, 9, 1003), _q(w.q), w.scale.numpy()])
     assert torch.equal(torch.from_numpy(out).view(9, 1003), w.dequantize())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_head_products_match_on_arm(driver, transposed):
+    """test_int8_heads.py's shapes and row counts: one scale a row over 72 or 40 columns (off
+    the SVE vectors' widths: the scalar columns too), groups of 32, 64 and 128."""
+    cpu, binary = driver
+    H = 2
+    for R, C, g in HEAD_SHAPES:
+        q, s = codes(H, R, C, g, R + C)
+        w = HeadCodes.columns(q, s) if transposed else HeadCodes.rows(q, s)
+        for M in HEAD_ROWS:
+            x = torch.randn(H, M, w.shape[2], generator=torch.Generator().manual_seed(M))
+            dims = qemu.dims(4 if transposed else 3, H, M, R, C, g)
+            (y,) = qemu.run(binary, cpu, [dims, x.numpy(), _q(q), w.scale.numpy()])
+            got = torch.from_numpy(y).view(H, M, w.shape[1])
+            want = int8_heads.head_gemm_ref(x, w)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -16,6 +16,7 @@ from moeserve.layers.moe import FusedExperts, Router
 from moeserve.models.loader import load_model
 from moeserve.ops import formats
 from moeserve.ops.cpu import int4, int4_amx
+from moeserve.quant.head_codes import HeadCodes
 from moeserve.quant.int4 import (
     Int4Tensor,
     Int4Weight,
@@ -194,9 +195,11 @@ def test_what_is_quantized_and_what_stays(checkpoints):
         if isinstance(m, Router):
             assert m.weight.dtype == torch.float32
     assert model.embed_tokens.weight.dtype == torch.float32
-    attn = layer.self_attn  # the absorbed MLA weights: the dequantized kv_b_proj, fp32
+    attn = layer.self_attn  # the absorbed MLA weights: kv_b_proj's codes, exactly
     kv_b = attn.kv_b_proj.weight.dequantize().view(attn.H, attn.N + attn.V, attn.C)
-    assert torch.equal(attn.w_uk_HCN, kv_b[:, : attn.N].transpose(1, 2))
+    assert isinstance(attn.w_uk_HCN, HeadCodes) and isinstance(attn.w_uv_HVC, HeadCodes)
+    assert torch.equal(attn.w_uk_HCN.dequantize(), kv_b[:, : attn.N].transpose(1, 2))
+    assert torch.equal(attn.w_uv_HVC.dequantize(), kv_b[:, attn.N :])
     fp32, _, _ = load_model(checkpoints["deepseek_v3"], torch.float32)
     int8, _, _ = load_model(checkpoints["deepseek_v3"], torch.float32, weight_format="int8")
     nbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in (model, int8)]

@@ -18,6 +18,7 @@ from moeserve.layers.moe import FusedExperts, Router
 from moeserve.models.fp8 import dequantize_fp8_block, quantize_fp8_block
 from moeserve.models.loader import load_model
 from moeserve.ops.cpu import int8
+from moeserve.quant.head_codes import HeadCodes
 from moeserve.quant.int8 import Int8Weight, quantize_rows
 from tests.checkpoints import build_hf_model, save_hf_checkpoint
 from tests.helpers import max_logprob_gap
@@ -86,10 +87,12 @@ def test_what_is_quantized_and_what_stays(checkpoints):
             assert m.weight.dtype == torch.float32
     assert model.embed_tokens.weight.dtype == torch.float32
     assert layer.input_layernorm.weight.dtype == torch.float32
-    # the absorbed MLA weights are the dequantized kv_b_proj, in fp32
+    # the absorbed MLA weights: kv_b_proj's codes and scales, exactly
     attn = layer.self_attn
     kv_b = attn.kv_b_proj.weight.dequantize().view(attn.H, attn.N + attn.V, attn.C)
-    assert torch.equal(attn.w_uk_HCN, kv_b[:, : attn.N].transpose(1, 2))
+    assert isinstance(attn.w_uk_HCN, HeadCodes) and isinstance(attn.w_uv_HVC, HeadCodes)
+    assert torch.equal(attn.w_uk_HCN.dequantize(), kv_b[:, : attn.N].transpose(1, 2))
+    assert torch.equal(attn.w_uv_HVC.dequantize(), kv_b[:, attn.N :])
     fp32, _, _ = load_model(checkpoints["deepseek_v3"], torch.float32)
     nbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in (model, fp32)]
     assert nbytes[0] < 0.45 * nbytes[1]

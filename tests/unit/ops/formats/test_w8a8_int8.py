@@ -27,6 +27,7 @@ from moeserve.ops import formats
 from moeserve.ops.cpu import bf16_amx, int8_amx
 from moeserve.ops.linear import BoundLinear, linear, linear_into
 from moeserve.ops.moe import experts_sorted
+from moeserve.quant.head_codes import HeadCodes
 from moeserve.quant.int8 import Int8Tensor, Int8Weight, quantize_rows
 from tests.checkpoints import DEEPSEEK_TILES, build_hf_model, save_hf_checkpoint
 from tests.helpers import max_logprob_gap
@@ -142,13 +143,13 @@ def test_what_is_converted_and_what_stays(checkpoints):
     experts = mlp.experts
     assert formats.of(experts.w13_EFD) is formats.get("w8a8_int8")
     assert formats.of(experts.w2_EDF[3]) is formats.get("w8a8_int8")  # slices keep it
-    # the absorbed MLA products: bf16 on the AMX tiles, else the model dtype
-    assert attn.w_uk_HCN.dtype == (torch.bfloat16 if bf16_amx.available() else torch.float32)
+    # the absorbed MLA products: bf16 on the AMX tiles, else int8's codes
+    assert attn.w_uk_HCN.dtype == (torch.bfloat16 if bf16_amx.available() else torch.int8)
     assert mlp.gate.weight.dtype == torch.float32  # the router stays fp32
     assert model.embed_tokens.weight.dtype == torch.float32
     int8, _, _ = load_model(checkpoints["deepseek_tiles"], torch.float32, weight_format="int8")
     assert formats.of(int8.layers[1].mlp.experts.w13_EFD) is formats.get("int8")
-    assert int8.layers[1].self_attn.w_uk_HCN.dtype == torch.float32
+    assert isinstance(int8.layers[1].self_attn.w_uk_HCN, HeadCodes)
 
 
 def test_config_keeps_fp32_activations():
