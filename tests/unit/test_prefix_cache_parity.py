@@ -137,6 +137,15 @@ def test_one_token_left_after_a_hit_runs_the_prefill_path():
     assert_same(warm, cold, tol=_bf16_tolerance())
 
 
+# A prompt prefilled in two parts (its hit, then 17 tokens) against one prefill of it: the MoE
+# layers' kernels take their rows per expert, and the 17-row call rounds some rows apart from
+# the 145-row one (measured here with bf16 AMX: equal through the first MoE layer's input,
+# 7e-5 in the next layer's latent rows). That reaches the logprobs as 1e-6 in attention
+# outputs, which the bf16 rounding of W_UV's input flips now and then: 1.6e-4 measured with
+# the AVX-512 decode attention, 0 with its AVX2 form. The decode path's ~1e-2 stays caught.
+SPLIT_PREFILL_TOL = 2e-3
+
+
 def test_next_turn_repeating_an_answer_matches_cold():
     """Turn 2 repeats turn 1's prompt and answer: it hits the prompt's blocks and recomputes
     the answer's (decode-computed blocks are not cached), as a cold run computes them."""
@@ -149,6 +158,6 @@ def test_next_turn_repeating_an_answer_matches_cold():
     warm = [run(llm, [p])[0] for p in second]
     cold_llm = bf16_llm(path, enable_prefix_caching=False)
     cold = [run(cold_llm, [p])[0] for p in second]
-    assert_same(warm, cold)
+    assert_same(warm, cold, tol=SPLIT_PREFILL_TOL)
     bm = llm.engine.scheduler.block_manager
     assert bm.prefix_cache_hits == sum(len(p) // BS * BS for p in first)

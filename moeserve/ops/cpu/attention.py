@@ -21,6 +21,7 @@ import torch
 
 from moeserve.ops.cpu import build
 from moeserve.ops.cpu.build import F32, I64, INT, PTR
+from moeserve.ops.cpu.fp32 import wide
 
 _SOURCE = Path(__file__).with_name("attention.c")
 MAX_HEADS_PER_KV = 256  # HMAX in attention.c
@@ -46,6 +47,7 @@ def _library() -> ctypes.CDLL | None:
         PTR,
         I64,
         I64,
+        INT,
         INT,
     )
     lib.moeserve_paged_decode_attention.restype = INT
@@ -90,7 +92,7 @@ def _paged_decode(
         (B, G, H // G, key[2], value[2], D1, q1, q1.stride(0), q1.stride(1), q2, q2.stride(0),
          q2.stride(1), scale, cache, ld_slot, key[0], key[1], value[0], value[1], table,
          table.stride(0), lens, block_size, out, out.stride(0), out.stride(1),
-         int(cache.dtype == torch.bfloat16))
+         int(cache.dtype == torch.bfloat16), int(wide()))
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("decode attention: out of memory for its scratch buffers")

@@ -108,24 +108,6 @@ typedef __m256 vf_avx2;
  * of 6 token rows (24 accumulators + 4 weights + 1 of 32 registers) ---- */
 #pragma GCC push_options
 #pragma GCC target("avx512f")
-/* sums of 16 vectors in one: lane 4q + l of the result holds the sum of v[4l + q] (a
- * transposing butterfly: 45 shuffles and adds instead of 16 separate reductions, which
- * weigh at K = 512: 32 FMAs per accumulator) */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
-    __m512 r[8], s[4];
-    for (int n = 0; n < 8; n++)
-        r[n] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * n], v[2 * n + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * n], v[2 * n + 1], 0xEE));
-    for (int n = 0; n < 4; n++) /* s[n], quarter q: 4 partial sums of v[4n + q] */
-        s[n] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * n], r[2 * n + 1], 0x88),
-                             _mm512_shuffle_f32x4(r[2 * n], r[2 * n + 1], 0xDD));
-    const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(s[0], s[1]), _mm512_unpackhi_ps(s[0], s[1]));
-    const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(s[2], s[3]), _mm512_unpackhi_ps(s[2], s[3]));
-    const __m512d d0 = _mm512_castps_pd(u0), d1 = _mm512_castps_pd(u1);
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
-}
-#define REDUCE16_LANE(n) (4 * ((n) % 4) + (n) / 4)
 #define VREDUCE16 reduce16
 #define VSTOREU(p, v) _mm512_storeu_ps(p, v)
 #define W 16

@@ -146,7 +146,8 @@ class MLADecodeCalls:
         # attention: (B, G, Hg, Dk, Dv, D1, q1 [b, h] at b*C + h*T*C, q2 = q_pe, scale, cache)
         self.attn_head = (T, 1, H, C + R, C, C, self.q_lat.data_ptr(), C, T * C)
         self.attn_head += (q + 4 * N, H * K, K, w.scale, self.cache.data_ptr(), C + R, 0, 0, 0, 0)
-        self.attn_out = (self.o_lat.data_ptr(), C, T * C, 0)  # 0: the cache is fp32
+        # 0: the cache is fp32; the ISA the GEMMs run (the AVX-512F scores and values)
+        self.attn_out = (self.o_lat.data_ptr(), C, T * C, 0, int(fp32_kernels.wide()))
         # out[t, h] = o_lat[h, t] @ W_UV[h]^T
         self.uv_args = (H, T, V, C, self.o_lat.data_ptr(), T * C, C, *w.uv.w_args)
         self.uv_args += (self.out.data_ptr(), V, H * V, w.uv.wide)

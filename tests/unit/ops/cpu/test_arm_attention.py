@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(not cpu_attention.available(), reason="no x86 kernels to dispatch"),
 ]
 driver = qemu.driver_fixture("attention")
-_SCALARS = (0, 1, 2, 3, 4, 5, 7, 8, 10, 11, 14, 15, 16, 17, 18, 20, 22, 24, 25, 26)
+_SCALARS = (0, 1, 2, 3, 4, 5, 7, 8, 10, 11, 14, 15, 16, 17, 18, 20, 22, 24, 25, 26, 27)
 _TENSORS = (6, 9, 13, 19, 21, 23)  # q1, q2, cache, table, lens, out
 
 

@@ -1,4 +1,5 @@
-"""The paged decode-attention kernels (MLA absorbed and GQA) against their gather references."""
+"""The paged decode-attention kernels (MLA absorbed and GQA) against their gather references,
+each test on the AVX2 scores and values and, where the CPU has it, the AVX-512F ones."""
 
 from __future__ import annotations
 
@@ -7,10 +8,21 @@ import torch
 
 from moeserve.layers.attention_meta import AttentionMetadata
 from moeserve.ops.cpu import attention as cpu_attention
+from moeserve.ops.cpu import fp32
 
 pytestmark = pytest.mark.skipif(
     not cpu_attention.available(), reason="no AVX2/FMA CPU or no C compiler: the references run"
 )
+
+
+@pytest.fixture(autouse=True, params=["avx2", "avx512"])
+def isa(request, monkeypatch):
+    """The kernel's ISA (``fp32.wide``, as the GEMMs choose it)."""
+    if request.param == "avx512" and not fp32.wide():
+        pytest.skip("no AVX-512F here")
+    if request.param == "avx2":
+        monkeypatch.setattr(cpu_attention, "wide", lambda: False)
+    return request.param
 
 
 def scattered_tables(lens: list[int], bs: int, g: torch.Generator) -> tuple[int, list[list[int]]]:
