@@ -516,6 +516,10 @@ static void CAT(head_cols, SFX)(int64_t Hh, int64_t M, int64_t C, int64_t R, con
         const int nv = g % W ? 0 : (int)((c1 - c0) / W); /* whole vectors */
         const int8_t *qh = q + h * sqh;
         const float *sh = s + h * R * J, *xh = x + h * sxh;
+        /* the rows' stride is C: the next job's columns of each row are requested while this
+         * job reads its own (the hardware sees no stream in a column block) */
+        const int64_t nxt = job + 1 < Hh * blocks ? job + 1 : job;
+        const int8_t *qn = q + (nxt / blocks) * sqh + (nxt % blocks) * span;
         int64_t jv[HC_VECS]; /* each vector's group */
         for (int v = 0; v < HC_VECS; v++) jv[v] = (c0 + v * W) / g;
         for (int64_t m0 = 0; m0 < M; m0 += HC_MB) {
@@ -528,6 +532,7 @@ static void CAT(head_cols, SFX)(int64_t Hh, int64_t M, int64_t C, int64_t R, con
             for (int64_t r = 0; r < R; r++) {
                 const int8_t *qr = qh + r * ldq + c0;
                 const float *sr = sh + r * J;
+                if (m0 == 0) PREFETCH_T0(qn + r * ldq);
                 VF wv[HC_VECS];
                 float sg[HC_VECS];
 #pragma GCC unroll 4
