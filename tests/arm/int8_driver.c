@@ -5,8 +5,8 @@
  *   1 moe      [1, G, D, F], expert, start, count [G] (int64), x [R D], q13 [E 2F D] (int64),
  *              s13 [E 2F], q2 [E D F] (int64), s2 [E D], route_w [R]   -> y [R D]
  *   2 dequant  [2, N, K], q [N K] (int64), scale [N]                    -> out [N K]
- *   3 head rows  [3, H, M, R, C, g], x [H M C], q [H R C] (int64), s [H C/g R]  -> y [H M R]
- *   4 head cols  [4, H, M, R, C, g], x [H M R], q [H R C] (int64), s [H R C/g]  -> y [H M C]
+ *   3 head     [3, H, M, K, N, g, grouped_out], x [H M K], q [H K N] (int64), s (grouped_out:
+ *              [H K N/g], else [H K/g N])                                  -> y [H M N]
  * (int8 weights travel as int64, blob.h's integer type, and are narrowed here.) */
 #include "blob.h"
 
@@ -20,12 +20,10 @@ void moeserve_int8_moe_small(int64_t n_groups, const int64_t *expert, const int6
                              int wide);
 void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
                            const float *scale, float *out, int64_t ldo);
-#define HEAD_ARGS                                                                              \
-    int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x, int64_t sxh, int64_t sxm,   \
-        const int8_t *q, int64_t sqh, int64_t ldq, const float *s, int64_t g, float *y,       \
-        int64_t syh, int64_t sym, int wide
-void moeserve_int8_head_rows_small(HEAD_ARGS);
-void moeserve_int8_head_cols_small(HEAD_ARGS);
+void moeserve_int8_head_gemm_small(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
+                                   int64_t sxh, int64_t sxm, const int8_t *q, int64_t sqh,
+                                   int64_t ldq, const float *s, int64_t g, int grouped_out,
+                                   float *y, int64_t syh, int64_t sym, int wide);
 
 /* an int64 array narrowed to int8, in a buffer of its own (exactly its size: a read past
  * its end is the emulator's fault to find, not hidden by slack) */
@@ -63,22 +61,15 @@ int main(void) {
         moeserve_int8_moe_small(G, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y,
                                 1);
         blob_write(BLOB_F32, R * D, y);
-    } else if (d[0] == 3 || d[0] == 4) {
-        const int64_t H = d[1], M = d[2], R = d[3], C = d[4], g = d[5];
+    } else if (d[0] == 3) {
+        const int64_t H = d[1], M = d[2], K = d[3], N = d[4], g = d[5];
         const float *x = blob_read(BLOB_F32, &n);
         const int8_t *q = read_q();
         const float *s = blob_read(BLOB_F32, &n);
-        if (d[0] == 3) { /* out rows: R, over C */
-            float *y = malloc(H * M * R * sizeof(float));
-            moeserve_int8_head_rows_small(H, M, R, C, x, M * C, C, q, R * C, C, s, g, y, M * R,
-                                          R, 1);
-            blob_write(BLOB_F32, H * M * R, y);
-        } else { /* out columns: C, over R */
-            float *y = malloc(H * M * C * sizeof(float));
-            moeserve_int8_head_cols_small(H, M, C, R, x, M * R, R, q, R * C, C, s, g, y, M * C,
-                                          C, 1);
-            blob_write(BLOB_F32, H * M * C, y);
-        }
+        float *y = malloc(H * M * N * sizeof(float));
+        moeserve_int8_head_gemm_small(H, M, N, K, x, M * K, K, q, K * N, N, s, g, (int)d[6], y,
+                                      M * N, N, 1);
+        blob_write(BLOB_F32, H * M * N, y);
     } else {
         const int64_t N = d[1], K = d[2];
         const int8_t *q = read_q();

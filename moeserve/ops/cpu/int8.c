@@ -45,7 +45,7 @@
 #define W 8
 #define MBQ 6 /* rows converted in registers: 2 * 6 accumulators + 3 of 16 registers */
 #define MBF 6 /* rows per block over the converted chunk */
-#define HC_MB 2 /* head_cols: 8 accumulators + 4 weights + 1 of 16 registers */
+#define HC_MB 2 /* head_gemm: 8 accumulators + 4 weights + 1 of 16 registers */
 #define SFX _avx2
 typedef __m256 vf_avx2;
 #define VF vf_avx2
@@ -55,6 +55,7 @@ typedef __m256 vf_avx2;
 #define VSTORE(p, v) _mm256_store_ps(p, v)
 #define VSTOREU(p, v) _mm256_storeu_ps(p, v)
 #define VDUP(s) _mm256_set1_ps(s)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm256_add_ps(a, b)
 #define VHSUM(v) hsum256(v)
@@ -73,6 +74,7 @@ typedef __m256 vf_avx2;
 #undef VSTORE
 #undef VSTOREU
 #undef VDUP
+#undef VMUL
 #undef VFMA
 #undef VADD
 #undef VHSUM
@@ -84,7 +86,7 @@ typedef __m256 vf_avx2;
 #define W 16
 #define MBQ 12 /* 24 accumulators + 3 of 32 registers */
 #define MBF 6  /* measured faster than 12 over the converted chunk */
-#define HC_MB 6 /* head_cols: 24 accumulators + 4 weights + 1 of 32 registers */
+#define HC_MB 6 /* head_gemm: 24 accumulators + 4 weights + 1 of 32 registers */
 #define SFX _avx512
 typedef __m512 vf_avx512;
 #define VF vf_avx512
@@ -94,6 +96,7 @@ typedef __m512 vf_avx512;
 #define VSTORE(p, v) _mm512_store_ps(p, v)
 #define VSTOREU(p, v) _mm512_storeu_ps(p, v)
 #define VDUP(s) _mm512_set1_ps(s)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
@@ -130,21 +133,18 @@ void moeserve_int8_gemm_nt_small(int64_t M, int64_t N, int64_t K, const float *x
         gemm_avx2(M, N, K, x, ldx, q, ldq, scale, y, ldy);
 }
 
-/* MLA's absorbed per-head products on int8 codes (the body's head_rows and head_cols), the
- * fp32 form on every ISA; the argument list of the per-head GEMMs (ops/cpu/bound.py) with
- * the codes' pointer and strides, their scales and the columns per scale */
-#define HEAD_ENTRY(name, body)                                                               \
-    void moeserve_int8_##name(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,   \
-                              int64_t sxh, int64_t sxm, const int8_t *q, int64_t sqh,        \
-                              int64_t ldq, const float *s, int64_t g, float *y, int64_t syh, \
-                              int64_t sym, int wide) {                                       \
-        if (wide)                                                                            \
-            body##_avx512(Hh, M, N, K, x, sxh, sxm, q, sqh, ldq, s, g, y, syh, sym);         \
-        else                                                                                 \
-            body##_avx2(Hh, M, N, K, x, sxh, sxm, q, sqh, ldq, s, g, y, syh, sym);           \
-    }
-HEAD_ENTRY(head_rows_small, head_rows)
-HEAD_ENTRY(head_cols_small, head_cols)
+/* MLA's absorbed per-head products on int8 codes (the body's head_gemm: the fp32 form on
+ * every ISA); the per-head GEMMs' argument list (ops/cpu/bound.py) with the codes' pointer
+ * and strides, their scales, the group size and where the groups run */
+void moeserve_int8_head_gemm_small(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
+                                   int64_t sxh, int64_t sxm, const int8_t *q, int64_t sqh,
+                                   int64_t ldq, const float *s, int64_t g, int grouped_out,
+                                   float *y, int64_t syh, int64_t sym, int wide) {
+    if (wide)
+        head_gemm_avx512(Hh, M, N, K, x, sxh, sxm, q, sqh, ldq, s, g, grouped_out, y, syh, sym);
+    else
+        head_gemm_avx2(Hh, M, N, K, x, sxh, sxm, q, sqh, ldq, s, g, grouped_out, y, syh, sym);
+}
 
 /* Routed experts for few rows, one call per MoE layer: the int8 twin of moeserve_moe_small
  * (fp32.c). For each group g (rows [start[g], start[g] + count[g]) of x, all routed to
@@ -198,7 +198,7 @@ void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
 #define INT8_BODY
 #define MBQ 12
 #define MBF 6
-#define HC_MB 6 /* head_cols: 24 accumulators + 4 weights + 1 of 32 registers */
+#define HC_MB 6 /* head_gemm: 24 accumulators + 4 weights + 1 of 32 registers */
 #include "arm_vec.h"
 #define VSTOREU(p, v) VSTORE(p, v) /* unaligned on both */
 #include "int8.c" /* this file: its body, for this ISA */
@@ -243,17 +243,13 @@ void moeserve_int8_moe_small(int64_t n_groups, const int64_t *expert, const int6
     CAT(moe, SFX)(n_groups, expert, start, count, D, F, x, q13, s13, q2, s2, route_w, h, y);
 }
 
-/* the per-head products on int8 codes of the x86 part */
-#define HEAD_ENTRY(name, body)                                                               \
-    void moeserve_int8_##name(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,   \
-                              int64_t sxh, int64_t sxm, const int8_t *q, int64_t sqh,        \
-                              int64_t ldq, const float *s, int64_t g, float *y, int64_t syh, \
-                              int64_t sym, int wide) {                                       \
-        (void)wide;                                                                          \
-        CAT(body, SFX)(Hh, M, N, K, x, sxh, sxm, q, sqh, ldq, s, g, y, syh, sym);            \
-    }
-HEAD_ENTRY(head_rows_small, head_rows)
-HEAD_ENTRY(head_cols_small, head_cols)
+void moeserve_int8_head_gemm_small(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
+                                   int64_t sxh, int64_t sxm, const int8_t *q, int64_t sqh,
+                                   int64_t ldq, const float *s, int64_t g, int grouped_out,
+                                   float *y, int64_t syh, int64_t sym, int wide) {
+    (void)wide;
+    CAT(head_gemm, SFX)(Hh, M, N, K, x, sxh, sxm, q, sqh, ldq, s, g, grouped_out, y, syh, sym);
+}
 
 /* moeserve_int8_dequant of the x86 body, 4 lanes at a time */
 void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
@@ -471,57 +467,40 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
     }
 }
 
-/* MLA's absorbed W_UV on int8 codes (ops/cpu/int8_heads.py): kv_b_proj's rows,
- *   y[h, m, n] = sum_j s[h, j, n] * sum_{k in group j} x[h, m, k] * q[h, n, k]
- * over groups of g columns (j < K / g): the GEMM's panels per head and group. */
-static void CAT(head_rows, SFX)(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
-                                int64_t sxh, int64_t sxm, const int8_t *q, int64_t sqh,
-                                int64_t ldq, const float *s, int64_t g, float *y, int64_t syh,
-                                int64_t sym) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, ng = K / g;
-#pragma omp parallel for schedule(static) if (Hh * N * K >= 65536)
-    for (int64_t job = 0; job < Hh * panels; job++) {
-        const int64_t h = job / panels, n0 = (job % panels) * PANEL;
-        const int64_t rows = N - n0 < PANEL ? N - n0 : PANEL;
-        const int8_t *qh = q + h * sqh + n0 * ldq;
-        const float *sh = s + h * ng * N + n0, *xh = x + h * sxh;
-        float *yh = y + h * syh + n0;
-        float part[ng > 1 ? M * PANEL : 1];
-        for (int64_t j = 0; j < ng; j++) { /* all rows at once: panel_rows blocks them */
-            CAT(panel_rows, SFX)(M, g, xh + j * g, sxm, qh + j * g, ldq, sh + j * N, rows,
-                                 j ? part : yh, j ? PANEL : sym);
-            if (j)
-                for (int64_t i = 0; i < M; i++)
-                    for (int64_t r = 0; r < rows; r++) yh[i * sym + r] += part[i * PANEL + r];
-        }
-    }
-}
-
-/* MLA's absorbed W_UK on int8 codes: the transpose of kv_b_proj's rows,
- *   y[h, m, c] = sum_r x[h, m, r] * s[h, r, c / g] * q[h, r, c]         (c < C, r < R)
- * along the rows as stored: each job (head, block of HC_VECS vectors of columns) runs down
- * the R rows once per HC_MB token rows, a broadcast of x times the group's scale and an FMA
- * per vector (no horizontal sums: R is short, 64-128). Where a vector's lanes would straddle
- * groups (g not a multiple of W) and past the last whole vector, scalar code. */
+/* MLA's absorbed per-head products on int8 codes (ops/cpu/int8_heads.py, quant/head_codes.py):
+ * codes stored input-major, q[h, k, n] for input k and output n, so that
+ *   y[h, m, n] = sum_k x[h, m, k] * (q[h, k, n] * S[h, k, n])
+ *   S = s[h, k, n / g]   (grouped_out: W_UK, kv_b_proj's rows as stored, groups of outputs)
+ *   S = s[h, k / g, n]   (else: W_UV, the rows transposed, groups of inputs)
+ * Each job (head, block of HC_VECS vectors of outputs) runs down the K stored rows once per
+ * HC_MB token rows: a row's codes times their scales, then a broadcast of each token value
+ * and an FMA per vector (no horizontal sums; K is 64-512). With more token rows than one
+ * block the job's scaled codes are converted once into fp32 first. grouped_out with groups
+ * that split a vector (g not a multiple of W), and the outputs past the last whole vector,
+ * run in scalar code. */
 #define HC_VECS 4
-static void CAT(head_cols, SFX)(int64_t Hh, int64_t M, int64_t C, int64_t R, const float *x,
+#define HC_BUF 16384 /* floats of a job's converted codes at most (64 KB) */
+static void CAT(head_gemm, SFX)(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
                                 int64_t sxh, int64_t sxm, const int8_t *q, int64_t sqh,
-                                int64_t ldq, const float *s, int64_t g, float *y, int64_t syh,
-                                int64_t sym) {
-    const int64_t J = C / g, span = HC_VECS * W, blocks = (C + span - 1) / span;
-#pragma omp parallel for schedule(static) if (Hh * C * R >= 65536)
+                                int64_t ldq, const float *s, int64_t g, int grouped_out,
+                                float *y, int64_t syh, int64_t sym) {
+    const int64_t span = HC_VECS * W, blocks = (N + span - 1) / span;
+    const int64_t J = grouped_out ? N / g : K / g; /* scale groups */
+#pragma omp parallel for schedule(static) if (Hh * N * K >= 65536)
     for (int64_t job = 0; job < Hh * blocks; job++) {
-        const int64_t h = job / blocks, c0 = (job % blocks) * span;
-        const int64_t c1 = C - c0 < span ? C : c0 + span;
-        const int nv = g % W ? 0 : (int)((c1 - c0) / W); /* whole vectors */
+        const int64_t h = job / blocks, n0 = (job % blocks) * span;
+        const int64_t n1 = N - n0 < span ? N : n0 + span;
+        const int nv = grouped_out && g % W ? 0 : (int)((n1 - n0) / W); /* whole vectors */
         const int8_t *qh = q + h * sqh;
-        const float *sh = s + h * R * J, *xh = x + h * sxh;
-        /* the rows' stride is C: the next job's columns of each row are requested while this
-         * job reads its own (the hardware sees no stream in a column block) */
+        const float *sh = s + h * J * (grouped_out ? K : N), *xh = x + h * sxh;
+        /* a block of W_UK's outputs is a column block of rows C apart: the next job's part of
+         * each row is requested while this job reads its own */
         const int64_t nxt = job + 1 < Hh * blocks ? job + 1 : job;
         const int8_t *qn = q + (nxt / blocks) * sqh + (nxt % blocks) * span;
-        int64_t jv[HC_VECS]; /* each vector's group */
-        for (int v = 0; v < HC_VECS; v++) jv[v] = (c0 + v * W) / g;
+        int64_t jv[HC_VECS]; /* grouped_out: each vector's group */
+        for (int v = 0; v < HC_VECS; v++) jv[v] = grouped_out ? (n0 + v * W) / g : 0;
+        const int conv = M > HC_MB && K * span <= HC_BUF;
+        float wbuf[conv ? K * span : 1];
         for (int64_t m0 = 0; m0 < M; m0 += HC_MB) {
             const int mb = M - m0 < HC_MB ? (int)(M - m0) : HC_MB;
             VF acc[HC_MB][HC_VECS];
@@ -529,42 +508,56 @@ static void CAT(head_cols, SFX)(int64_t Hh, int64_t M, int64_t C, int64_t R, con
             for (int i = 0; i < HC_MB; i++)
 #pragma GCC unroll 4
                 for (int v = 0; v < HC_VECS; v++) acc[i][v] = VZERO();
-            for (int64_t r = 0; r < R; r++) {
-                const int8_t *qr = qh + r * ldq + c0;
-                const float *sr = sh + r * J;
-                if (m0 == 0) PREFETCH_T0(qn + r * ldq);
-                VF wv[HC_VECS];
-                float sg[HC_VECS];
+            const float *sg = sh + n0; /* W_UV: the scales of row k's group (k / g) */
+            for (int64_t k = 0, left = g; k < K; k++) {
+                VF wv[HC_VECS]; /* the row's codes times their scales */
+                if (conv && m0) {
 #pragma GCC unroll 4
-                for (int v = 0; v < HC_VECS; v++) {
-                    if (v < nv) {
-                        wv[v] = VLOADQ(qr + v * W);
-                        sg[v] = sr[jv[v]];
+                    for (int v = 0; v < HC_VECS; v++)
+                        if (v < nv) wv[v] = VLOADU(wbuf + k * span + v * W);
+                } else {
+                    const int8_t *qr = qh + k * ldq + n0;
+                    PREFETCH_T0(qn + k * ldq);
+#pragma GCC unroll 4
+                    for (int v = 0; v < HC_VECS; v++) {
+                        if (v < nv) {
+                            const VF sc = grouped_out ? VDUP(sh[k * J + jv[v]])
+                                                      : VLOADU(sg + v * W);
+                            wv[v] = VMUL(VLOADQ(qr + v * W), sc);
+                            if (conv) VSTOREU(wbuf + k * span + v * W, wv[v]);
+                        }
                     }
                 }
 #pragma GCC unroll 6
                 for (int i = 0; i < HC_MB; i++) {
                     if (i < mb) {
-                        const float xr = xh[(m0 + i) * sxm + r];
+                        const VF xb = VDUP(xh[(m0 + i) * sxm + k]);
 #pragma GCC unroll 4
                         for (int v = 0; v < HC_VECS; v++)
-                            if (v < nv) acc[i][v] = VFMA(VDUP(xr * sg[v]), wv[v], acc[i][v]);
+                            if (v < nv) acc[i][v] = VFMA(xb, wv[v], acc[i][v]);
                     }
+                }
+                if (--left == 0) { /* the next group of rows (no division in the loop) */
+                    sg += N;
+                    left = g;
                 }
             }
             for (int i = 0; i < mb; i++) {
                 float *yr = y + h * syh + (m0 + i) * sym;
-                for (int v = 0; v < nv; v++) VSTOREU(yr + c0 + v * W, acc[i][v]);
-                for (int64_t c = c0 + nv * W; c < c1; c++) {
+                for (int v = 0; v < nv; v++) VSTOREU(yr + n0 + v * W, acc[i][v]);
+                for (int64_t n = n0 + nv * W; n < n1; n++) {
                     float a = 0.0f;
-                    for (int64_t r = 0; r < R; r++)
-                        a += xh[(m0 + i) * sxm + r] * sh[r * J + c / g] * (float)qh[r * ldq + c];
-                    yr[c] = a;
+                    for (int64_t k = 0; k < K; k++) {
+                        const float sc = grouped_out ? sh[k * J + n / g] : sh[(k / g) * N + n];
+                        a += xh[(m0 + i) * sxm + k] * ((float)qh[k * ldq + n] * sc);
+                    }
+                    yr[n] = a;
                 }
             }
         }
     }
 }
 #undef HC_VECS
+#undef HC_BUF
 
 #endif /* INT8_BODY */

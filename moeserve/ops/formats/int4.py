@@ -114,7 +114,7 @@ class Int4Format(WeightFormat):
         if w.perm is None:
             R = N + V
             codes, scale = w.signed_codes().view(H, R, C), w.scale.view(H, R, -1)
-            held = int8_heads.absorbed(codes, scale, N)
+            held = int8_heads.absorbed(codes, scale, N, dtype)
         return held or super().absorbed(kv_b, dtype, H, N, V, C)
 
     def linear(self, x, w, bias=None):

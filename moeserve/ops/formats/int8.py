@@ -54,7 +54,7 @@ class Int8Format(WeightFormat):
 
     def absorbed(self, kv_b, dtype, H, N, V, C):
         w = as_int8(kv_b)
-        held = int8_heads.absorbed(w.q.view(H, N + V, C), w.scale.view(H, N + V, 1), N)
+        held = int8_heads.absorbed(w.q.view(H, N + V, C), w.scale.view(H, N + V, 1), N, dtype)
         return held or super().absorbed(kv_b, dtype, H, N, V, C)
 
     def linear(self, x, w, bias=None):

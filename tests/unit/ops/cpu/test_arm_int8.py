@@ -139,8 +139,9 @@ def test_head_products_match_on_arm(driver, transposed):
         w = HeadCodes.columns(q, s) if transposed else HeadCodes.rows(q, s)
         for M in HEAD_ROWS:
             x = torch.randn(H, M, w.shape[2], generator=torch.Generator().manual_seed(M))
-            dims = qemu.dims(4 if transposed else 3, H, M, R, C, g)
-            (y,) = qemu.run(binary, cpu, [dims, x.numpy(), _q(q), w.scale.numpy()])
+            N, K = w.shape[1], w.shape[2]
+            dims = qemu.dims(3, H, M, K, N, g, int(w.grouped_out))
+            (y,) = qemu.run(binary, cpu, [dims, x.numpy(), _q(w.q), w.scale.numpy()])
             got = torch.from_numpy(y).view(H, M, w.shape[1])
             want = int8_heads.head_gemm_ref(x, w)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

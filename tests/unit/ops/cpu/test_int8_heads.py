@@ -1,6 +1,6 @@
 """MLA's absorbed products on int8 codes (``ops/cpu/int8_heads.py``, ``int8.c``'s
-``head_rows``/``head_cols``): the kernels against their reference and the dense weights, on
-both x86 bodies, and the codes' form against ``kv_b_proj``'s weight for int8 and int4."""
+``head_gemm``): the kernel against its reference and the dense weights, on both x86 bodies,
+and the codes' form against ``kv_b_proj``'s weight for int8 and int4."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def test_the_forms_are_the_rows_and_their_transpose():
     assert torch.equal(rows.dequantize(), dense)
     assert torch.equal(cols.dequantize(), dense.transpose(1, 2))
     with pytest.raises(ValueError, match="HeadCodes needs int8 codes"):
-        HeadCodes(q.float(), rows.scale, 32)
-    with pytest.raises(ValueError, match=r"\[H, R, C / group\]"):
-        HeadCodes(q, rows.scale, 32, transposed=True)  # the rows' scale layout
+        HeadCodes(rows.q.float(), rows.scale, 32, False)
+    with pytest.raises(ValueError, match=r"\[H, K, N / group\]"):
+        HeadCodes(rows.q, rows.scale, 32, True)  # the rows' scale layout
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -68,7 +68,7 @@ def test_int8_and_int4_kv_b_give_their_weights_exactly(symmetric):
 @pytest.mark.parametrize("avx512", ISAS)
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("R,C,g", SHAPES)
-def test_kernels_match_the_reference(R, C, g, transposed, avx512):
+def test_kernel_matches_the_reference(R, C, g, transposed, avx512):
     H = 3
     q, s = codes(H, R, C, g, R + C + g)
     w = HeadCodes.columns(q, s) if transposed else HeadCodes.rows(q, s)
@@ -117,3 +117,6 @@ def test_what_the_kernels_take():
     if int8_heads.available():
         bound = int8_heads.bind_head_gemm(w)
         assert bound.w is w and {t for t, _ in bound.pointers} == {w.q, w.scale}
+    q3, s3 = codes(2, 24, 64, 32, 2)
+    assert (int8_heads.absorbed(q3, s3, 8, torch.float32) is None) != int8_heads.available()
+    assert int8_heads.absorbed(q3, s3, 8, torch.bfloat16) is None  # the kernels take fp32 rows
