@@ -30,8 +30,9 @@
  *
  * The vector helpers (scores, values, the softmax's max and exponentials, the bf16 widening)
  * exist for AVX2+FMA (the scores and values also for AVX-512F: 4 heads x 4 tokens a score
- * block, 1.25-1.4x the AVX2 form on a 2-core Xeon VM, benchmarks/mla_decode.py) and for
- * aarch64 (the scores and values in arm_vec.h's vectors: SVE at
+ * block, 1.1-1.2x the AVX2 form on a 2-core Xeon VM, benchmarks/mla_decode.py; the value
+ * update is one body for all three, attention_value.h) and for aarch64 (the scores and values
+ * in arm_vec.h's vectors: SVE at
  * the build's length, else NEON; the rest NEON); the tiles, the splits and the merge around
  * them are plain C.
  */
@@ -118,34 +119,19 @@ static void score_block(int mh, int mt, int64_t Dk, const float *q, const float 
 }
 
 #define VCOLS 8 /* columns of one value vector */
-#define VB_NV 2 /* vectors of a wide value block */
-
-/* acc[i][c0 .. c0 + 8 * NV) = acc[i] * alpha[i] + sum_t p[i][t] * val_t for heads i < mh <= 4;
- * missing heads repeat head 0 and are not stored. */
-static inline __attribute__((always_inline)) void value_block(
-    const int NV, int mh, int64_t nt, int64_t c0, const float *p, const float *alpha,
-    const float *const *val, float *acc, int64_t acc_sh) {
-    __m256 a[4][2];
-    const float *pr[4];
-    for (int i = 0; i < 4; i++) {
-        const int ii = i < mh ? i : 0;
-        pr[i] = p + ii * TILE;
-        const __m256 al = _mm256_set1_ps(alpha[ii]);
-        for (int k = 0; k < NV; k++)
-            a[i][k] = _mm256_mul_ps(_mm256_loadu_ps(acc + ii * acc_sh + c0 + 8 * k), al);
-    }
-    for (int64_t t = 0; t < nt; t++) {
-        const __m256 x0 = _mm256_loadu_ps(val[t] + c0);
-        const __m256 x1 = NV > 1 ? _mm256_loadu_ps(val[t] + c0 + 8) : x0;
-        for (int i = 0; i < 4; i++) {
-            const __m256 w = _mm256_broadcast_ss(pr[i] + t);
-            a[i][0] = _mm256_fmadd_ps(w, x0, a[i][0]);
-            if (NV > 1) a[i][1] = _mm256_fmadd_ps(w, x1, a[i][1]);
-        }
-    }
-    for (int i = 0; i < mh; i++)
-        for (int k = 0; k < NV; k++) _mm256_storeu_ps(acc + i * acc_sh + c0 + 8 * k, a[i][k]);
-}
+#define VB_NV 2
+#define VF __m256
+#define W 8
+#define VLOADU(p) _mm256_loadu_ps(p)
+#define VSTOREU(p, v) _mm256_storeu_ps(p, v)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VDUP(s) _mm256_set1_ps(s)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VALUE_BLOCK value_block
+#define VALUE_ATTR static inline __attribute__((always_inline))
+#define VALUE_UNDEF
+#include "attention_value.h"
+#define VB_NV 2 /* vectors of a wide value block (tile_step's) */
 
 /* n bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32) */
 static inline void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
@@ -226,29 +212,20 @@ static __attribute__((target("avx512f"))) void score_block16(int mh, int mt, int
 }
 
 /* value_block's AVX-512F form: NV <= 4 vectors of 16 columns for 4 heads (16 accumulators) */
-AVX512_INLINE void value_block16(const int NV, int mh, int64_t nt, int64_t c0, const float *p,
-                                 const float *alpha, const float *const *val, float *acc,
-                                 int64_t acc_sh) {
-    __m512 a[4][4];
-    const float *pr[4];
-    for (int i = 0; i < 4; i++) {
-        const int ii = i < mh ? i : 0;
-        pr[i] = p + ii * TILE;
-        const __m512 al = _mm512_set1_ps(alpha[ii]);
-        for (int k = 0; k < NV; k++)
-            a[i][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + ii * acc_sh + c0 + 16 * k), al);
-    }
-    for (int64_t t = 0; t < nt; t++) {
-        __m512 x[4];
-        for (int k = 0; k < NV; k++) x[k] = _mm512_loadu_ps(val[t] + c0 + 16 * k);
-        for (int i = 0; i < 4; i++) {
-            const __m512 w = _mm512_set1_ps(pr[i][t]);
-            for (int k = 0; k < NV; k++) a[i][k] = _mm512_fmadd_ps(w, x[k], a[i][k]);
-        }
-    }
-    for (int i = 0; i < mh; i++)
-        for (int k = 0; k < NV; k++) _mm512_storeu_ps(acc + i * acc_sh + c0 + 16 * k, a[i][k]);
-}
+#undef VB_NV
+#define VF __m512
+#define W 16
+#define VB_NV 4
+#define VLOADU(p) _mm512_loadu_ps(p)
+#define VSTOREU(p, v) _mm512_storeu_ps(p, v)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VDUP(s) _mm512_set1_ps(s)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VALUE_BLOCK value_block16
+#define VALUE_ATTR AVX512_INLINE
+#define VALUE_UNDEF
+#include "attention_value.h"
+#define VB_NV 2 /* the AVX2 blocks' (tile_step's) */
 
 /* the value update of 4 heads over all Dv columns in AVX-512F blocks; returns the first
  * column left to the caller (Dv % 16) */
@@ -296,30 +273,10 @@ static void score_block(int mh, int mt, int64_t Dk, const float *q, const float 
         }
 }
 
-/* acc[i][c0 .. c0 + VCOLS * NV) = acc[i] * alpha[i] + sum_t p[i][t] * val_t for heads
- * i < mh <= 4 (NV <= VB_NV vectors); missing heads repeat head 0 and are not stored. */
-static inline __attribute__((always_inline)) void value_block(
-    const int NV, int mh, int64_t nt, int64_t c0, const float *p, const float *alpha,
-    const float *const *val, float *acc, int64_t acc_sh) {
-    VF a[4][VB_NV];
-    const float *pr[4];
-    for (int i = 0; i < 4; i++) {
-        const int ii = i < mh ? i : 0;
-        pr[i] = p + ii * TILE;
-        for (int k = 0; k < NV; k++)
-            a[i][k] = VMUL(VLOADU(acc + ii * acc_sh + c0 + W * k), VDUP(alpha[ii]));
-    }
-    for (int64_t t = 0; t < nt; t++) {
-        VF x[VB_NV];
-        for (int k = 0; k < NV; k++) x[k] = VLOADU(val[t] + c0 + W * k);
-        for (int i = 0; i < 4; i++) {
-            const VF w = VDUP(pr[i][t]);
-            for (int k = 0; k < NV; k++) a[i][k] = VFMA(x[k], w, a[i][k]);
-        }
-    }
-    for (int i = 0; i < mh; i++)
-        for (int k = 0; k < NV; k++) VSTORE(acc + i * acc_sh + c0 + W * k, a[i][k]);
-}
+#define VSTOREU(p, v) VSTORE(p, v) /* unaligned on both */
+#define VALUE_BLOCK value_block
+#define VALUE_ATTR static inline __attribute__((always_inline))
+#include "attention_value.h"
 
 /* n bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32) */
 static inline void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
