@@ -236,27 +236,7 @@ static inline __attribute__((always_inline)) __m256 iscales_avx2(const int G, co
     return _mm256_setr_m128(_mm_set1_ps(sr[g]), _mm_set1_ps(sr[g + 1]));
 }
 #define ISCALES(G, sr, c0, ng) iscales_avx2(G, sr, c0, ng)
-#include "int4_idot.h" /* this file: its body, for this ISA */
-#undef ISFX
-#undef CB
-#undef INQ
-#undef INB
-#undef IF
-#undef II
-#undef IFZERO
-#undef IFMA
-#undef ICVT
-#undef ISUB
-#undef IZDOT
-#undef IHSUM
-#undef IHSUM4
-#undef ILOADX
-#undef IAND
-#undef ISRL4
-#undef INIB
-#undef ICODES
-#undef IDOT2
-#undef ISCALES
+#include "int4_idot.h" /* this file: its body, for this ISA (it undefines the macros above) */
 
 /* ---- AVX-512 VNNI: 16 lanes, a step of a whole block (128 columns, 64 code bytes) ---- */
 #pragma GCC push_options
@@ -515,4 +495,25 @@ static int ICAT(moe_idot, ISFX)(int64_t n_groups, const int64_t *expert, const i
 }
 
 #undef STEP
+/* the including ISA's macros, so that the next ISA defines its own */
+#undef ISFX
+#undef CB
+#undef INQ
+#undef INB
+#undef IF
+#undef II
+#undef IFZERO
+#undef IFMA
+#undef ICVT
+#undef ISUB
+#undef IZDOT
+#undef IHSUM
+#undef IHSUM4
+#undef ILOADX
+#undef IAND
+#undef ISRL4
+#undef INIB
+#undef ICODES
+#undef IDOT2
+#undef ISCALES
 #endif /* IDOT_BODY */
