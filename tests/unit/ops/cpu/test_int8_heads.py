@@ -15,8 +15,9 @@ from moeserve.quant.int8 import quantize_rows
 needs_kernels = pytest.mark.skipif(not int8_heads.available(), reason="no int8 kernels here")
 ISAS = [False, True] if int8.wide() else [False]  # avx512: the AVX2 body, and AVX-512F's
 
-# (R rows of kv_b_proj per head, C columns, columns per scale): int8's one scale a row (C off
-# every vector width: 72, 40), int4's groups of 32/64/128, kv_lora 512 as DeepSeek's
+# (R rows of kv_b_proj per head, C columns, columns per scale): int8's one scale a row, int4's
+# groups of 32/64/128, kv_lora 512 as DeepSeek's; outputs off the vector widths both ways (W_UV's
+# R 24 and 8, W_UK's C 72 and 40 with a group that splits a vector: the scalar paths)
 SHAPES = [(16, 72, 72), (24, 40, 40), (64, 256, 128), (16, 96, 32), (48, 128, 64), (8, 512, 512)]
 ROWS = [1, 2, 3, 5, 7, 13, 40]
 
