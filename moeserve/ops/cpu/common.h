@@ -250,6 +250,13 @@ static inline void moe_share(int64_t n_groups, const int64_t *count, int64_t J, 
     *hi = balanced_first_job(n_groups, count, J, MOE_FIXED, t + 1, nt);
 }
 
+/* An MoE call's output rows times their routing weights: y[r * ld + c] *= w[r] for the
+ * `rows` rows and `cols` columns a down-projection job wrote */
+static inline void weigh_rows(int64_t rows, const float *w, float *y, int64_t ld, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) y[r * ld + c] *= w[r];
+}
+
 /* Between an MoE call's two projections, inside its parallel region: wait for every thread's
  * gate/up rows, apply the gated activation to this thread's share of the rows
  * (silu_mul_groups), and wait again before the down projection reads them. */
@@ -279,16 +286,6 @@ struct moe_rounded {
     const void *ctx;
 };
 
-/* y's rows of group g, columns n0 .. n0 + nr, times their routing weights */
-static inline void moe_route_weights(const struct moe_rounded *c, int64_t g, int64_t n0,
-                                     int64_t nr) {
-    for (int64_t i = 0; i < c->count[g]; i++) {
-        const float w = c->route_w[c->start[g] + i];
-        float *yr = c->y + (c->start[g] + i) * c->D + n0;
-        for (int64_t k = 0; k < nr; k++) yr[k] *= w;
-    }
-}
-
 /* Thread t of nt's jobs of one phase (`total` weight rows an expert), each through fn; with
  * weigh (the down phase), the rows it wrote times their routing weights after it */
 static inline void moe_rounded_phase(const struct moe_rounded *c, int64_t total, int weigh,
@@ -302,7 +299,9 @@ static inline void moe_rounded_phase(const struct moe_rounded *c, int64_t total,
         const int64_t g = job / J, n0 = (job % J) * c->width;
         const int64_t nr = total - n0 < c->width ? total - n0 : c->width;
         fn(c, g, n0, nr);
-        if (weigh) moe_route_weights(c, g, n0, nr);
+        if (weigh)
+            weigh_rows(c->count[g], c->route_w + c->start[g], c->y + c->start[g] * c->D + n0,
+                       c->D, nr);
     }
 }
 

@@ -709,10 +709,7 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
             float *yg = y + start[g] * D + n0;
             CAT(job_rows, SFX)(count[g], F, h + start[g] * 2 * F, 2 * F,
                                w2 + expert[g] * D * F + n0 * F, F, nw, yg, D, pf2, pf2q);
-            for (int64_t r = 0; r < count[g]; r++) {
-                const float w = route_w[start[g] + r];
-                for (int c = 0; c < nw; c++) yg[r * D + c] *= w;
-            }
+            weigh_rows(count[g], route_w + start[g], yg, D, nw);
         }
     }
 }

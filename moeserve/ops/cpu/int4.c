@@ -747,10 +747,7 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
             float *yg = y + start[g] * D + n0;
             CAT(panel_rows, SFX)(count[g], F, h + start[g] * 2 * F, 2 * F, q2 + row * (F / 2),
                                  F / 2, s2 + row * ng2, z2 + row * ng2, G, nr, yg, D);
-            for (int64_t r = 0; r < count[g]; r++) {
-                const float w = route_w[start[g] + r];
-                for (int64_t c = 0; c < nr; c++) yg[r * D + c] *= w;
-            }
+            weigh_rows(count[g], route_w + start[g], yg, D, nr);
         }
     }
 }
