@@ -50,7 +50,7 @@ from moeserve.launch.group_steps import (
     rank_info,
     run_step,
 )
-from moeserve.launch.ledger import RequestLedger, Tracked
+from moeserve.launch.ledger import RequestLedger, StepOutbox, Tracked
 from moeserve.launch.liveness import (
     MISSING_AFTER_S,
     RankMonitor,
@@ -108,9 +108,7 @@ class EngineGroup:
             on_dead=self.elastic.rank_lost if self.elastic is not None else None,
         ).start()
         atexit.register(self.shutdown)
-        self._adds: list[dict] = []
-        self._aborts: list[str] = []
-        self._finishes: list[tuple[str, int, str | None]] = []
+        self._outbox = StepOutbox()  # sent with the next step
         # unfinished requests: their replicas, and what their callers have received
         self._ledger = RequestLedger(groups.dims.dp)
         self._next_join_check = 0.0
@@ -169,24 +167,20 @@ class EngineGroup:
         self.disagg.on_add(request_id, params, ids)  # raises for a room in use
         tracked = Tracked(request_id, text, ids, params, replica)
         self._ledger.add(tracked)
-        self._adds.append(add_message(tracked, resumed=False))
+        self._outbox.adds.append(add_message(tracked, resumed=False))
 
     def abort_request(self, request_id: str) -> None:
         if request_id not in self._ledger:
             return
-        pending = [a for a in self._adds if a["id"] == request_id]
-        if pending:
-            self._adds.remove(pending[0])
-        else:
-            self._aborts.append(request_id)
+        self._outbox.abort(request_id)
         self.disagg.on_abort(request_id)
-        self._forget(request_id)
+        self._ledger.forget(request_id)
 
     def finish_sample(self, request_id: str, index: int, stop_reason: str | None = None) -> None:
         """End one sample with finish reason ``stop`` on its replica (sent with the next step);
         the step after reports it, and the request's finished output, if it was the last."""
         if request_id in self._ledger:
-            self._finishes.append((request_id, index, stop_reason))
+            self._outbox.finishes.append((request_id, index, stop_reason))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._ledger) or self.disagg.has_pending()
@@ -217,13 +211,12 @@ class EngineGroup:
 
     def _step(self, with_stats: bool) -> tuple[list[RequestOutput], list[dict]]:
         self._take_joiners()
-        msg = {"cmd": STEP, "add": self._adds, "abort": self._aborts, "finish": self._finishes}
+        msg = {"cmd": STEP, **self._outbox.take()}
         if with_stats:
             msg["stats"] = True
         kv_cmds = self.disagg.take_commands()
         if kv_cmds:
             msg["kv"] = kv_cmds
-        self._adds, self._aborts, self._finishes = [], [], []
 
         def take_step() -> tuple[list[RequestOutput], list[dict], list[dict]]:
             broadcast_json(msg, self.groups.world, 0)
@@ -234,7 +227,7 @@ class EngineGroup:
         def after_recovery():
             # the lost step's samples ended by the caller end again on their new replicas,
             # after the requests are queued there (the ledger queued every request again)
-            self._finishes = msg["finish"] + self._finishes
+            self._outbox.finish_again(msg["finish"])
             return None
 
         result = self._collective(take_step, after_recovery)
@@ -397,8 +390,8 @@ class EngineGroup:
             return False
         self.groups = groups
         self.elastic.recovered(rec, time.monotonic() - t0, cause, self._monitor)
-        self._adds = [add_message(t, resumed=True) for t in self._ledger.reassign(groups.dims.dp)]
-        self._aborts = []
+        resumed = [add_message(t, resumed=True) for t in self._ledger.reassign(groups.dims.dp)]
+        self._outbox.requeue(resumed)
         self._on_health(self._monitor.missing, self.elastic_status())
         logger.warning(
             "engine group: recovered in %.2fs (agree %.2fs, join %.2fs, reload %.2fs of %d "
@@ -409,7 +402,7 @@ class EngineGroup:
             rec.reload_s,
             rec.experts_reloaded,
             groups.dims.world_size,
-            len(self._adds),
+            len(resumed),
         )
         return True
 
@@ -456,9 +449,6 @@ class EngineGroup:
                 return  # the group failed: _collective told the caller (on_failure)
             finally:
                 self._lock.release()
-
-    def _forget(self, request_id: str) -> None:
-        self._ledger.forget(request_id)
 
     def shutdown(self) -> None:
         """Tell every worker to stop and wait for the spawned ones; idempotent."""

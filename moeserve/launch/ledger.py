@@ -11,6 +11,9 @@ has received so far (``SampleProgress``), read from the outputs rank 0 hands its
 A sample that reported its finish stays finished. A sample the caller ended itself (a stop
 string: ``finish_sample``) is not: the caller still waits for the engine to report it, so
 that finish is sent to the new replica again after the request (``pending_finishes``).
+
+:class:`StepOutbox` holds what rank 0 sends with its next step: the requests to add, the ids
+to abort and the samples their callers ended.
 """
 
 from __future__ import annotations
@@ -34,6 +37,40 @@ class Tracked:
     def __post_init__(self) -> None:
         if not self.progress:
             self.progress = [SampleProgress() for _ in range(self.params.n)]
+
+
+@dataclass
+class StepOutbox:
+    """The request parts of rank 0's next step message: the requests to add (their
+    messages), the ids to abort and the samples their callers ended (id, index, reason)."""
+
+    adds: list[dict] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    finishes: list[tuple[str, int, str | None]] = field(default_factory=list)
+
+    def abort(self, request_id: str) -> None:
+        """An add not sent yet is dropped; else the request's replica is told."""
+        pending = next((a for a in self.adds if a["id"] == request_id), None)
+        if pending is not None:
+            self.adds.remove(pending)
+        else:
+            self.aborts.append(request_id)
+
+    def take(self) -> dict:
+        """The step message's ``add``, ``abort`` and ``finish`` parts; the outbox is empty
+        after."""
+        parts = {"add": self.adds, "abort": self.aborts, "finish": self.finishes}
+        self.adds, self.aborts, self.finishes = [], [], []
+        return parts
+
+    def requeue(self, adds: list[dict]) -> None:
+        """After a recovery: ``adds`` (every unfinished request again) replace the pending
+        adds and aborts, whose replicas are gone or renumbered."""
+        self.adds, self.aborts = adds, []
+
+    def finish_again(self, finishes: list[tuple[str, int, str | None]]) -> None:
+        """Finishes of a lost step, sent again before the newer ones."""
+        self.finishes = finishes + self.finishes
 
 
 class RequestLedger:

@@ -11,7 +11,7 @@ import pytest
 
 from moeserve.core import CompletionOutput, RequestOutput, SamplingParams
 from moeserve.launch.elastic import GroupEnded, Membership, dead_key, open_store
-from moeserve.launch.ledger import RequestLedger, Tracked
+from moeserve.launch.ledger import RequestLedger, StepOutbox, Tracked
 from moeserve.launch.liveness import LivenessTable, RankMonitor
 from moeserve.launch.spec import LaunchSpec, free_port
 
@@ -127,6 +127,29 @@ def test_ledger_keeps_what_callers_received():
     assert [t.replica for t in moved] == [0, 1] and ledger.load == [2, 1, 0]
     with pytest.raises(ValueError, match="already in use"):
         ledger.add(Tracked("a", None, [1], SamplingParams(), 0))
+
+
+def test_outbox_sends_each_part_once():
+    """An abort of a request not sent yet drops its add; a step takes everything; after a
+    recovery the requeued adds replace the pending adds and aborts, and the lost step's
+    finishes go first."""
+    box = StepOutbox()
+    box.adds += [{"id": "a"}, {"id": "b"}]
+    box.abort("a")  # not sent yet: never sent
+    box.abort("z")  # sent before: its replica is told
+    box.finishes.append(("b", 0, None))
+    assert box.take() == {"add": [{"id": "b"}], "abort": ["z"], "finish": [("b", 0, None)]}
+    assert box.take() == {"add": [], "abort": [], "finish": []}
+    box.adds.append({"id": "c"})
+    box.aborts.append("d")
+    box.finishes.append(("c", 1, "x"))
+    box.requeue([{"id": "b", "resumed": True}])
+    box.finish_again([("b", 0, None)])
+    assert box.take() == {
+        "add": [{"id": "b", "resumed": True}],
+        "abort": [],
+        "finish": [("b", 0, None), ("c", 1, "x")],
+    }
 
 
 def test_monitor_reports_a_dead_rank_once_and_goes_on():
