@@ -92,6 +92,14 @@ class MLAttention(nn.Module):
             self.kv_b_proj.weight, dtype, self.H, self.N, self.V, self.C
         )
 
+    def decode_calls(self) -> MLADecodeCalls | None:
+        """The prebound decode calls, bound again where the weights or the cache moved; None
+        where they do not apply or are switched off (:meth:`use_decode_calls`)."""
+        calls = self._decode_calls
+        if calls is None or (calls and not calls.fresh(*self._bound_tensors())):
+            calls = self._decode_calls = self._bind_decode()
+        return calls or None
+
     def _bind_decode(self) -> MLADecodeCalls | bool:
         """The prebound decode calls of this layer, or False where they do not apply."""
         o, rot = self.o_proj, self.rotary
@@ -155,10 +163,8 @@ class MLAttention(nn.Module):
         T, Q = x_TD.shape[0], self.Q
         if meta.num_decodes == T and self.kv_cache is not None:
             # decodes only: the prebound kernel calls, where they apply
-            calls = self._decode_calls
-            if calls is None or (calls and not calls.fresh(*self._bound_tensors())):
-                calls = self._decode_calls = self._bind_decode()
-            if calls:
+            calls = self.decode_calls()
+            if calls is not None:
                 y_TD = calls(positions_T, x_TD, meta.slot_mapping_T, meta.decode_kernel_args)
                 if y_TD is not None:
                     return y_TD

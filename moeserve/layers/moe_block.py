@@ -158,10 +158,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.placement is None:
-            calls = self._decode_calls
-            if calls is None or (calls and not calls.fresh(self.expert_counts_E)):
-                calls = self._decode_calls = self._bind_decode()
-            y_TD = calls(x_TD) if calls else None
+            calls = self.decode_calls()
+            y_TD = calls(x_TD) if calls is not None else None
             if y_TD is not None:
                 if self.shared is not None:
                     y_TD = y_TD + self._shared(x_TD)
@@ -180,6 +178,22 @@ class MoEBlock(nn.Module):
             )
             return self.tp.all_reduce(y_TD)
         return self._forward_ep(x_TD)
+
+    def decode_calls(self) -> MoEDecodeCalls | None:
+        """The routed experts' prebound decode calls, bound again where the weights moved;
+        None where they do not apply (EP, softmax routing, no kernels) or are switched off
+        (:meth:`use_decode_calls`)."""
+        calls = self._decode_calls
+        if calls is None or (calls and not calls.fresh(self.expert_counts_E)):
+            calls = self._decode_calls = self._bind_decode()
+        return calls or None
+
+    def whole_decode_calls(self) -> MoEDecodeCalls | None:
+        """:meth:`decode_calls` where they compute the block's whole output (the shared expert
+        folded in, no all-reduce after): what the decode stack may run in the block's place."""
+        if self.shared is not None or self.tp.size > 1:
+            return None
+        return self.decode_calls()
 
     def _bind_decode(self) -> MoEDecodeCalls | bool:
         """The routed experts of a decode step (few rows, no EP, DeepSeek's sigmoid routing)

@@ -36,8 +36,13 @@ class RMSNorm(nn.Module):
         """The kernel (``fp32.c``) for a few fp32 rows ``x [M, D]`` with unit-stride rows
         (a column slice is fine), into ``out [M, D]`` when given; None when it does not apply
         (the caller then runs ``F.rms_norm``, the reference)."""
+        k = self.bound()
+        return None if k is None else k(x, out)
+
+    def bound(self) -> fp32_kernels.BoundRMSNorm | None:
+        """The kernel with this norm's weight bound (bound again where the weight was replaced
+        or moved); None where it does not take the weight."""
         k = self._kernel
         if k is None or not k.fresh(self.weight):
-            # first call, or the weight was replaced or moved
             k = self._kernel = fp32_kernels.BoundRMSNorm.bind(self.weight, self.eps)
-        return None if k is None else k(x, out)
+        return k

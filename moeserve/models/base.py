@@ -24,6 +24,7 @@ from moeserve.layers.linear import GatedMLP, copy_into
 from moeserve.layers.moe_block import MoEBlock
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.decode_stack import DecodeStack
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weight_format import format_targets
 from moeserve.models.weights import WeightSpec
@@ -123,6 +124,7 @@ class MoECausalLM(nn.Module):
             for i in range(self.layer_start, self.layer_end)
         )
         self.norm = RMSNorm(D, config.rms_norm_eps, dtype) if last else None
+        self._stack: DecodeStack | bool | None = None  # False: switched off
         self.lm_head = (
             ParallelLMHead(V, D, tp, dtype, self.embed_tokens.weight if tied else None)
             if last
@@ -160,9 +162,26 @@ class MoECausalLM(nn.Module):
         the next stage. A later stage passes the previous stage's output as ``h_TD``."""
         if h_TD is None:
             h_TD = self.embed_tokens(input_ids_T)
-        for layer in self.layers:
-            h_TD = layer(positions_T, h_TD, meta)
+        stack = self._decode_stack()
+        out_TD = None if stack is None else stack(positions_T, h_TD, meta)
+        if out_TD is not None:  # decodes only: the layers' calls in one loop
+            h_TD = out_TD
+        else:
+            for layer in self.layers:
+                h_TD = layer(positions_T, h_TD, meta)
         return self.norm(h_TD) if self.norm is not None else h_TD
+
+    def use_decode_stack(self, enabled: bool = True) -> None:
+        """Run decode steps through :class:`~moeserve.models.decode_stack.DecodeStack` where it
+        applies (the default), or, not ``enabled``, layer by layer as modules (its
+        reference)."""
+        self._stack = None if enabled else False
+
+    def _decode_stack(self) -> DecodeStack | None:
+        if self._stack is None:  # built on first use: every layer a DecoderLayer
+            plain = all(type(layer) is DecoderLayer for layer in self.layers)
+            self._stack = DecodeStack(self.layers) if plain and len(self.layers) else False
+        return self._stack or None
 
     def moe_blocks(self) -> list[tuple[int, MoEBlock]]:
         """``(model layer index, MoEBlock)`` of this stage's MoE layers, in layer order (the

@@ -113,10 +113,9 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, num_tokens: int) -> 
     """``y_TD [num_tokens, D]``: each token's rows of ``y_RD`` added up in row order with fp32
     sums (the C kernel for fp32 rows of up to ``SORT_KERNEL_TOKENS`` tokens on the CPU, else
     ``index_add_``), in ``y_RD``'s dtype; a
-    token without rows gets zeros. One token: ``y_RD.sum(0)``, which the decode calls
-    (``ops/cpu/moe_decode.py``) reproduce bit for bit."""
-    if num_tokens == 1 and y_RD.shape[0]:
-        return y_RD.sum(dim=0, keepdim=True)
+    token without rows gets zeros. The decode calls (``ops/cpu/moe_decode.py``) add up in
+    the same order, so the two agree bit for bit (``y_RD.sum(0)``, which this took for one
+    token, adds up in another order when there are many rows: 33 here)."""
     few = num_tokens <= SORT_KERNEL_TOKENS
     fast = moe_sort.moe_combine(y_RD, token_R, num_tokens) if few else None
     return fast if fast is not None else moe_sort.moe_combine_ref(y_RD, token_R, num_tokens)

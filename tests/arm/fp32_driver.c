@@ -32,6 +32,8 @@ void moeserve_bf16w_head_gemm_nt_small(int64_t Hh, int64_t M, int64_t N, int64_t
                                        int64_t syh, int64_t sym, int wide);
 void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, const float *w,
                        float eps, float *y, int64_t ldy);
+void moeserve_add_rms_norm(int64_t rows, int64_t D, float *h, int64_t ldh, const float *y,
+                           int64_t ldy, const float *w, float eps, float *out, int64_t ldo);
 void moeserve_route_grouped_sigmoid(int64_t T, int64_t E, int64_t n_group, int64_t topk_group,
                                     int64_t top_k, const float *logits, const float *bias,
                                     int norm, float scale, int64_t *ids, float *weights,
@@ -40,6 +42,7 @@ void moeserve_route_grouped_sigmoid(int64_t T, int64_t E, int64_t n_group, int64
 int main(void) {
     int64_t n;
     const int64_t *d = blob_read(BLOB_I64, &n);
+    const int64_t nd = n;
     const int op = (int)(d[0] >= 5 ? d[0] - 5 : d[0]), bf16 = d[0] >= 5;
     const int WTYPE = bf16 ? BLOB_U16 : BLOB_F32; /* the weights' blob type */
     if (op == 0) {
@@ -83,7 +86,15 @@ int main(void) {
         const float *x = blob_read(BLOB_F32, &n), *w = blob_read(BLOB_F32, &n);
         const float *eps = blob_read(BLOB_F32, &n);
         float *y = malloc(rows * D * sizeof(float));
-        moeserve_rms_norm(rows, D, x, D, w, eps[0], y, D);
+        if (nd > 3 && d[3]) { /* the residual call: h = x + r (r the next blob), y = norm(h) */
+            const float *r = blob_read(BLOB_F32, &n);
+            float *h = malloc(rows * D * sizeof(float));
+            memcpy(h, x, rows * D * sizeof(float));
+            moeserve_add_rms_norm(rows, D, h, D, r, D, w, eps[0], y, D);
+            blob_write(BLOB_F32, rows * D, h);
+        } else {
+            moeserve_rms_norm(rows, D, x, D, w, eps[0], y, D);
+        }
         blob_write(BLOB_F32, rows * D, y);
     } else {
         const int64_t T = d[1], E = d[2], top_k = d[5], extra = d[7];

@@ -81,6 +81,16 @@ class BoundGemm:
             raise MemoryError(f"projection of {M} rows: out of memory for its workspace")
         return out
 
+    def call_args(self, x: torch.Tensor, out: torch.Tensor) -> tuple | None:
+        """``fn``'s arguments for the rows ``x`` into ``out`` (``[M, N]`` fp32, unit-stride
+        rows), for a caller that keeps both where they are and makes the call itself (a nonzero
+        return: out of memory); None where the kernel does not take ``x``."""
+        if not few_rows(x, self.max_rows):
+            return None
+        M = x.shape[0]
+        return (M, self.N, self.K, x.data_ptr(), x.stride(0), *self.w_args,
+                out.data_ptr(), out.stride(0), self.wide)  # fmt: skip
+
 
 @dataclass(eq=False)
 class MoEBuffers:

@@ -400,6 +400,22 @@ void moeserve_rms_norm(int64_t rows, int64_t D, const float *x, int64_t ldx, con
 }
 #endif
 
+/* A decoder layer's residual step for few rows: h[r] += y[r] (one rounding per element, as
+ * torch's add), then, with a norm weight w, out[r] = RMSNorm(h[r]) by moeserve_rms_norm, so the
+ * result is the add and the norm kernel's, bit for bit. No y: the norm alone; no w: the add
+ * alone. Single-threaded, as the norm. */
+void moeserve_add_rms_norm(int64_t rows, int64_t D, float *h, int64_t ldh, const float *y,
+                           int64_t ldy, const float *w, float eps, float *out, int64_t ldo) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *hr = h + r * ldh;
+        if (y) {
+            const float *yr = y + r * ldy;
+            for (int64_t d = 0; d < D; d++) hr[d] += yr[d];
+        }
+        if (w) moeserve_rms_norm(1, D, hr, ldh, w, eps, out + r * ldo, ldo);
+    }
+}
+
 /* DeepSeek-V3 routing for few rows (the reference is ops/routing.py: route_grouped_sigmoid):
  * scores = sigmoid(logits); choice = scores + bias; keep the topk_group groups whose two best
  * choice values sum highest; take the top_k choices among them (first index on ties);

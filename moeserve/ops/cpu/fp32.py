@@ -71,6 +71,7 @@ def _library() -> ctypes.CDLL | None:
             *(PTR, I64, I64, PTR, I64, I64, PTR, I64, I64, INT),
         )
     build.declare(lib, "moeserve_rms_norm", I64, I64, PTR, I64, PTR, F32, PTR, I64)
+    build.declare(lib, "moeserve_add_rms_norm", I64, I64, PTR, I64, PTR, I64, PTR, F32, PTR, I64)
     build.declare(
         lib,
         "moeserve_route_grouped_sigmoid",

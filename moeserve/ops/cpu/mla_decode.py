@@ -14,6 +14,10 @@ Per step, seven ctypes calls and no torch ops besides the output's allocation::
     out[t, h] = o_lat[h, t] @ W_UV[h]^T;  y = out @ o_proj (+ all-reduce over tp)
 
 ``layers/mla.py``'s torch path is the reference and runs where this does not apply.
+
+``__call__`` takes any rows ``x`` and returns a new output; the decode stack
+(``models/decode_stack.py``) binds the calls once to its own buffers (:meth:`MLADecodeCalls.
+rows`) and then runs them by address (:meth:`MLADecodeCalls.run`): no torch call at all.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class MLADecodeCalls:
         self.pointers += w.uk.pointers + w.uv.pointers
         self.pointers += w.qkv_a.pointers + w.q_b.pointers + w.o.pointers
         self.T = 0  # the row count the buffers and argument tuples below are for
+        self.raw: tuple | None = None  # run's calls (rows)
+        self.raw_rows: tuple = ()
 
     @staticmethod
     def bind(w: MLADecodeWeights) -> MLADecodeCalls | None:
@@ -151,6 +157,7 @@ class MLADecodeCalls:
         # out[t, h] = o_lat[h, t] @ W_UV[h]^T
         self.uv_args = (H, T, V, C, self.o_lat.data_ptr(), T * C, C, *w.uv.w_args)
         self.uv_args += (self.out.data_ptr(), V, H * V, w.uv.wide)
+        self.raw, self.raw_rows = None, ()  # rows must bind again to the new buffers
         self.T = T
 
     def __call__(
@@ -166,14 +173,7 @@ class MLADecodeCalls:
         kernel arguments); None, having done nothing, where the kernels do not take these
         rows."""
         T = x_TD.shape[0]
-        if not (0 < T <= self.max_rows) or step is None:
-            return None
-        pos = positions_T
-        if not (
-            pos.dtype == slots_T.dtype == torch.int64
-            and pos.is_contiguous()
-            and slots_T.is_contiguous()
-        ):
+        if not (0 < T <= self.max_rows and step is not None and steps_ok(positions_T, slots_T)):
             return None
         if T != self.T:
             self._prepare(T)
@@ -184,11 +184,64 @@ class MLADecodeCalls:
             w.q_b(self.qn, self.q)
         else:
             w.q_b(x_TD, self.q)
-        self.rope_fn(*self.rope_head, pos.data_ptr(), *self.rope_mid, slots_T.data_ptr())
+        self._attend(positions_T.data_ptr(), slots_T.data_ptr(), step)
+        y_TD = w.o(self.out)
+        return y_TD if w.reduce is None else w.reduce(y_TD)
+
+    def rows(self, x_TD: torch.Tensor, y_TD: torch.Tensor) -> bool:
+        """Bind :meth:`run` to the rows of ``x_TD`` and to ``y_TD`` for o_proj's output (both
+        ``[T, D]`` fp32 with unit-stride rows, kept where they are by the caller: the decode
+        stack's buffers). False where the calls do not take them: more rows than the kernels
+        take, or an all-reduce after o_proj (tensor parallelism)."""
+        T = x_TD.shape[0]
+        if not (0 < T <= self.max_rows) or self.w.reduce is not None:
+            return False
+        if T != self.T:
+            self._prepare(T)
+        w = self.w
+        qkv = w.qkv_a.kernel.call_args(x_TD, self.qkv)
+        q_b = w.q_b.kernel.call_args(x_TD if self.qn is None else self.qn, self.q)
+        o = w.o.kernel.call_args(self.out, y_TD)
+        if qkv is None or q_b is None or o is None:
+            return False
+        self.raw = (w.qkv_a.kernel.fn, qkv, w.q_b.kernel.fn, q_b, w.o.kernel.fn, o)
+        self.raw_rows = (T, x_TD.data_ptr(), y_TD.data_ptr())
+        return True
+
+    def bound_rows(self) -> tuple:
+        """``(T, x address, y address)`` that :meth:`run` is bound to; empty when it is not
+        (a ``__call__`` of another row count prepares new buffers)."""
+        return self.raw_rows
+
+    def run(self, positions_ptr: int, slots_ptr: int, step: tuple) -> None:
+        """The step of ``__call__`` on the rows :meth:`rows` bound, ``y_TD`` written: the
+        positions and cache slots (int64, contiguous) by address, ``step`` as there."""
+        qkv_fn, qkv, q_b_fn, q_b, o_fn, o = self.raw
+        if qkv_fn(*qkv):
+            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
+        if self.qn is not None:
+            self.norm_fn(*self.qnorm_args)
+        if q_b_fn(*q_b):
+            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
+        self._attend(positions_ptr, slots_ptr, step)
+        if o_fn(*o):
+            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
+
+    def _attend(self, positions_ptr: int, slots_ptr: int, step: tuple) -> None:
+        """rope and the cache write, W_UK, the paged attention and W_UV: ``q`` -> ``out``."""
+        w = self.w
+        self.rope_fn(*self.rope_head, positions_ptr, *self.rope_mid, slots_ptr)
         failed = w.uk.fn(*self.uk_args)  # the AMX call reports a failed allocation
         if failed or self.attn_fn(*self.attn_head, *step, *self.attn_out) != 0:
             raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
         if w.uv.fn(*self.uv_args):
             raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
-        y_TD = w.o(self.out)
-        return y_TD if w.reduce is None else w.reduce(y_TD)
+
+
+def steps_ok(positions_T: torch.Tensor, slots_T: torch.Tensor) -> bool:
+    """Whether the rope and cache kernel takes these positions and slots (int64, contiguous)."""
+    return (
+        positions_T.dtype == slots_T.dtype == torch.int64
+        and positions_T.is_contiguous()
+        and slots_T.is_contiguous()
+    )

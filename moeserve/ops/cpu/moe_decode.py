@@ -10,6 +10,8 @@ Per step: the router logits (the gate's bound GEMM), DeepSeek's grouped sigmoid 
 BoundExperts`), the rows added back per token. Every argument is derived when the row count
 changes, so a step is five ctypes calls. ``ops/moe.py: moe_grouped`` (with the router's torch
 routing) is the reference and runs where this does not apply; the two agree bit for bit.
+As with ``mla_decode.py``, the decode stack binds the calls to its buffers once
+(:meth:`MoEDecodeCalls.rows`) and runs them by address (:meth:`MoEDecodeCalls.run`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class MoEDecodeCalls:
         bound = () if bias_E is None else (bias_E,)
         self.pointers: Pointers = pointers(*bound, counts_E) + experts.pointers + gate.pointers
         self.T = 0  # the row count the buffers below are for
+        self.raw: tuple | None = None  # run's calls (rows)
+        self.raw_rows: tuple = ()
 
     @staticmethod
     def bind(
@@ -126,6 +130,8 @@ class MoEDecodeCalls:
         self.sort_out = (D, m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr())
         self.sort_out += (b.token.data_ptr(), b.weight.data_ptr(), b.x_sorted.data_ptr())
         self.experts.prepare(b)
+        self.token = b.token.data_ptr()
+        self.raw, self.raw_rows = None, ()  # rows must bind again to the new buffers
         self.T = T
 
     def __call__(self, x_TD: torch.Tensor) -> torch.Tensor | None:
@@ -137,18 +143,52 @@ class MoEDecodeCalls:
         if T != self.T:
             self._prepare(T)
         self.gate(x_TD, self.logits)
+        G = self._route(x_TD.data_ptr(), x_TD.stride(0))
+        y_TD = torch.empty(T, self.D, dtype=torch.float32)
+        self._combine(G, y_TD.data_ptr())
+        return y_TD
+
+    def rows(self, x_TD: torch.Tensor, y_TD: torch.Tensor) -> bool:
+        """Bind :meth:`run` to the rows of ``x_TD`` and to ``y_TD`` for the output (both
+        ``[T, D]`` fp32, contiguous, kept where they are by the caller: the decode stack's
+        buffers); False where the kernels do not take them."""
+        if not (fp32_kernels.few_rows(x_TD, self.max_rows) and y_TD.is_contiguous()):
+            return False
+        T = x_TD.shape[0]
+        if T != self.T:
+            self._prepare(T)
+        gate = self.gate.kernel.call_args(x_TD, self.logits)
+        if gate is None:
+            return False
+        self.raw = (self.gate.kernel.fn, gate, x_TD.data_ptr(), x_TD.stride(0), y_TD.data_ptr())
+        self.raw_rows = (T, x_TD.data_ptr(), y_TD.data_ptr())
+        return True
+
+    def bound_rows(self) -> tuple:
+        """``(T, x address, y address)`` that :meth:`run` is bound to; empty when it is not."""
+        return self.raw_rows
+
+    def run(self) -> None:
+        """The step of ``__call__`` on the rows :meth:`rows` bound, ``y_TD`` written."""
+        gate_fn, gate, x, ldx, y = self.raw
+        if gate_fn(*gate):
+            raise MemoryError("MoE decode: out of memory for the router's workspace")
+        self._combine(self._route(x, ldx), y)
+
+    def _route(self, x: int, ldx: int) -> int:
+        """Route the logits (choices counted) and sort the rows at ``x`` by expert: the number
+        of groups."""
         self.route_fn(
-            T, *self.route_const, self.logits.data_ptr(), *self.route_mid, *self.route_out,
+            self.T, *self.route_const, self.logits.data_ptr(), *self.route_mid, *self.route_out,
             self.counts.data_ptr(), self.extra,
         )  # fmt: skip
-        G = self.sort_fn(*self.sort_args, x_TD.data_ptr(), x_TD.stride(0), *self.sort_out)
+        G = self.sort_fn(*self.sort_args, x, ldx, *self.sort_out)
         if G < 0:  # the routing kernel only writes ids in [0, E): a broken invariant
             raise RuntimeError(f"MoE decode: an expert id outside [0, {self.num_slots})")
+        return G
+
+    def _combine(self, G: int, y: int) -> None:
+        """The ``G`` groups through the experts, each token's rows added up in row order (as
+        the reference, ``ops/moe.py: combine_rows``) into the ``[T, D]`` rows at ``y``."""
         y_RD = self.experts.run(G)
-        if T == 1:  # the reference's sum, so the result matches it bit for bit
-            return y_RD.sum(dim=0, keepdim=True)
-        y_TD = torch.empty(T, self.D, dtype=torch.float32)
-        self.combine_fn(
-            T * self.K, T, self.D, y_RD.data_ptr(), self.buffers.token.data_ptr(), y_TD.data_ptr()
-        )
-        return y_TD
+        self.combine_fn(self.T * self.K, self.T, self.D, y_RD.data_ptr(), self.token, y)

@@ -91,6 +91,19 @@ def test_rms_norm_matches_reference_on_arm(driver):
     torch.testing.assert_close(torch.from_numpy(y).view(6, 1003), want, rtol=1e-5, atol=1e-5)
 
 
+def test_residual_call_on_arm(driver):
+    """``moeserve_add_rms_norm``: the add as torch's and the norm as the norm kernel's."""
+    cpu, binary = driver
+    g = torch.Generator().manual_seed(1)
+    x, r, w = (torch.randn(*s, generator=g) for s in ((5, 1003), (5, 1003), (1003,)))
+    eps = np.array([1e-6], dtype=np.float32)
+    arrays = [qemu.dims(3, 5, 1003, 1), x.numpy(), w.numpy(), eps, r.numpy()]
+    h, y = qemu.run(binary, cpu, arrays)
+    assert torch.equal(torch.from_numpy(h).view(5, 1003), x + r)
+    (want,) = qemu.run(binary, cpu, [qemu.dims(3, 5, 1003), (x + r).numpy(), w.numpy(), eps])
+    assert np.array_equal(y, want)
+
+
 @pytest.mark.parametrize("n_group,topk_group,norm", ROUTING_CASES)
 def test_routing_matches_reference_on_arm(driver, n_group, topk_group, norm):
     cpu, binary = driver
