@@ -17,9 +17,12 @@
  * without it a cold cache costs ~20%). A token costs Hg * (Dk + Dv) multiply-adds for the
  * Dk floats of an MLA row: with 16 heads the kernel is bound by the FMA units, not by memory.
  *
- * Work items are (b, g, token range): a long context is split into ranges that threads take
- * concurrently and whose partial (m, l, acc) are merged at the end (flash-decoding), so batch 1
- * uses every thread; with many sequences each (b, g) is one item.
+ * Work items are (b, g, token range, head range): a long context is split into ranges that
+ * threads take concurrently and whose partial (m, l, acc) are merged at the end
+ * (flash-decoding), so batch 1 uses every thread; a context too short for that (under
+ * 2 * MIN_CHUNK tokens) with fewer (b, g) than threads has its heads split instead, in ranges
+ * of whole score blocks, which need no merge (batch 1 at 48 tokens, in the engine: 35 -> 31-33
+ * us a call); with many sequences each (b, g) is one item.
  *
  * The cache may hold bf16 rows (a bf16 model's): each tile's rows are then widened to fp32
  * into a per-thread scratch as they are gathered, and everything after runs as for fp32.
@@ -54,6 +57,7 @@
 
 typedef struct {
     int64_t b, g, t0, t1, part; /* part < 0: the only split, written to out directly */
+    int64_t h0, nh;             /* its heads of KV head g: [h0, h0 + nh) */
 } Item;
 
 typedef struct {
@@ -332,11 +336,11 @@ static inline void prefetch_span(const float *p, int64_t n) {
  * rows of the next tile (keys next_key, values next_val unless they lie in the keys) come
  * from blocks anywhere in the cache, where the hardware prefetcher has no stream to follow:
  * they are requested two at a time during the first sweep of the scores. */
-static void tile_step(const Params *P, int64_t nt, const float *q, const float *const *key,
-                      const float *const *val, float *s, float *m, float *l, float *acc,
-                      int64_t acc_sh, int64_t n_next, const float *const *next_key,
-                      const float *const *next_val) {
-    const int64_t Hg = P->Hg, Dv = P->Dv;
+static void tile_step(const Params *P, int64_t Hg, int64_t nt, const float *q,
+                      const float *const *key, const float *const *val, float *s, float *m,
+                      float *l, float *acc, int64_t acc_sh, int64_t n_next,
+                      const float *const *next_key, const float *const *next_val) {
+    const int64_t Dv = P->Dv;
 #if defined(__x86_64__)
     const int wide = P->wide;
 #else
@@ -392,13 +396,13 @@ static void tile_step(const Params *P, int64_t nt, const float *q, const float *
     }
 }
 
-/* Tokens [t0, t1) of sequence b against the Hg heads of KV head g: unnormalised acc (head
- * stride acc_sh), running max m and sum l. A bf16 cache's rows are widened into wide
- * (2 * TILE rows of Dk + Dv floats). */
+/* Tokens [t0, t1) of sequence b against the item's heads of KV head g: unnormalised acc
+ * (head stride acc_sh), running max m and sum l, from the item's first head. A bf16 cache's
+ * rows are widened into wide (2 * TILE rows of Dk + Dv floats). */
 static void run_item(const Params *P, const Item *it, float *acc, int64_t acc_sh, float *m,
                      float *l, float *wide) {
-    const int64_t Hg = P->Hg, bs = P->bs;
-    const float *q = P->qpack + (it->b * P->G + it->g) * Hg * P->Dk;
+    const int64_t Hg = it->nh, bs = P->bs;
+    const float *q = P->qpack + ((it->b * P->G + it->g) * P->Hg + it->h0) * P->Dk;
     const int32_t *table = P->table + it->b * P->ldt;
     const float *key[2][TILE], *val[2][TILE]; /* this tile's rows and the next one's */
     float s[HMAX * TILE];
@@ -434,8 +438,8 @@ static void run_item(const Params *P, const Item *it, float *acc, int64_t acc_sh
             }
         }
         if (t0 >= it->t0)
-            tile_step(P, it->t1 - t0 < TILE ? it->t1 - t0 : TILE, q, key[cur], val[cur], s, m,
-                      l, acc, acc_sh, n_next > 0 ? n_next : 0, key[1 - cur],
+            tile_step(P, Hg, it->t1 - t0 < TILE ? it->t1 - t0 : TILE, q, key[cur], val[cur], s,
+                      m, l, acc, acc_sh, n_next > 0 ? n_next : 0, key[1 - cur],
                       val_in_key ? NULL : val[1 - cur]);
     }
 }
@@ -468,6 +472,15 @@ int moeserve_paged_decode_attention(
         n_items += G * S;
         if (S > 1) n_parts += G * S, n_merges += G;
     }
+    /* fewer (b, g) pairs than threads and none split by tokens (short contexts): their heads
+     * are split instead, in ranges of whole score blocks (4 heads), which need no merge */
+    int64_t hper = Hg, nhr = 1; /* heads per range, ranges per (b, g) */
+    if (split && !n_merges && B * G < threads) {
+        const int64_t want = (threads + B * G - 1) / (B * G);
+        hper = ((Hg + want - 1) / want + 3) / 4 * 4;
+        nhr = (Hg + hper - 1) / hper;
+        n_items *= nhr;
+    }
     const int par = split && n_items > 1; /* one item: no thread to wake */
     Item *items = malloc(n_items * sizeof(Item));
     Merge *merges = malloc((n_merges + 1) * sizeof(Merge));
@@ -488,7 +501,10 @@ int moeserve_paged_decode_attention(
             if (S > 1) merges[mg++] = (Merge){b, g, k, S};
             for (int64_t s = 0; s < S; s++) {
                 const int64_t t0 = s * per, t1 = t0 + per < n ? t0 + per : n;
-                items[k++] = (Item){b, g, t0, t1, S > 1 ? part++ : -1};
+                for (int64_t r = 0; r < nhr; r++) {
+                    const int64_t h0 = r * hper, nh = Hg - h0 < hper ? Hg - h0 : hper;
+                    items[k++] = (Item){b, g, t0, t1, S > 1 ? part++ : -1, h0, nh};
+                }
             }
         }
     }
@@ -517,9 +533,9 @@ int moeserve_paged_decode_attention(
             const Item *it = &items[i];
             float *m = ml + i * Hg * 2, *l = m + Hg;
             if (it->part < 0) {
-                float *o = out + it->b * out_sb + it->g * Hg * out_sh;
+                float *o = out + it->b * out_sb + (it->g * Hg + it->h0) * out_sh;
                 run_item(&P, it, o, out_sh, m, l, wide);
-                for (int64_t h = 0; h < Hg; h++) {
+                for (int64_t h = 0; h < it->nh; h++) {
                     const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f; /* 0 for no context */
                     for (int64_t c = 0; c < Dv; c++) o[h * out_sh + c] *= inv;
                 }

@@ -128,6 +128,21 @@ def test_mla_decode_strided_query_and_output():
     torch.testing.assert_close(out_HBC.transpose(0, 1), ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("H", [16, 6, 5])
+def test_mla_decode_splits_the_heads_of_a_short_context(H):
+    """One sequence too short to split by tokens: with two threads its heads go to them in
+    ranges of whole score blocks (H 16: 8 + 8; 6: 4 + 2; 5: 4 + 1), and a GQA cache with one
+    KV head the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_mla([40], 16, H, 64, 16, seed=H)
+        check_mla([100], 7, H, 64, 16, seed=H + 1, cache_dtype=torch.bfloat16)
+        check_gqa(2 * H, 1, 64, [50], 16, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_mla_decode_single_thread():
     """One thread: no split, one item per sequence (the other tests split long contexts
     when more than one thread is there)."""
