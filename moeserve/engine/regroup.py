@@ -110,7 +110,7 @@ def _loads(engine, blocks) -> list[list[float]]:
     """This rank's recent load per MoE layer and expert: the EPLB window, else the counts
     since the start."""
     if engine.eplb is not None:
-        window = engine.eplb.stats.local_window()
+        window = engine.eplb.window_stats().local_window()
         if int(window.sum()) > 0:
             return window.double().tolist()
     return [b.expert_counts_E.double().tolist() for _, b in blocks]

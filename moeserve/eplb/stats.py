@@ -129,6 +129,10 @@ class ExpertLoadStats:
             self._open_steps = 0
             self._closed = min(self._closed + 1, self.num_chunks)
 
+    def closes_chunk(self) -> bool:
+        """Whether the next :meth:`step` closes the open chunk."""
+        return self._open_steps + 1 == self.chunk_steps
+
     @property
     def window_covers_steps(self) -> int:
         """Completed steps the window holds now."""

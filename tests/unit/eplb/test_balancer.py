@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import EngineConfig, EplbOptions
@@ -154,3 +155,34 @@ def test_algorithm_choice_keeps_groups_on_their_node():
     # nodes that are not contiguous equal blocks: treated as one node
     assert fake_balancer("auto", 4, nodes=(0, 1, 0, 1))._nodes() == 1
     assert fake_balancer("auto", 4)._nodes() == 2
+
+
+def test_the_window_holds_every_steps_counts_when_read_per_chunk():
+    """on_step reads the blocks' counters only when a chunk closes (and for every outside
+    reader): the window is the one of counting every step, after any step."""
+    from types import SimpleNamespace
+
+    from moeserve.distributed.groups import Axis
+    from moeserve.eplb.balancer import ExpertBalancer
+    from moeserve.eplb.stats import ExpertLoadStats
+
+    g = torch.Generator().manual_seed(0)
+    blocks = [
+        (i, SimpleNamespace(expert_counts_E=torch.zeros(8, dtype=torch.int64), placement=None,
+                            reports_counts=True))
+        for i in (1, 2, 3)
+    ]  # fmt: skip
+    options = EplbOptions(window_steps=40)  # chunks of 4 steps
+    balancer = ExpertBalancer(blocks, [1, 2, 3], Axis.single("ep"), Axis.single("world"), options)
+    assert options.chunk_steps > 1
+    every = ExpertLoadStats(3, 8, options.window_steps, options.chunk_steps)
+    for step in range(100):
+        for _, b in blocks:  # a step's routing
+            b.expert_counts_E += torch.randint(0, 5, (8,), generator=g)
+        every.add_totals(torch.stack([b.expert_counts_E for _, b in blocks]))
+        every.step()
+        balancer.on_step()
+        if step % 7 == 0:  # an outside reader now and then
+            assert torch.equal(balancer.window_stats().local_window(), every.local_window())
+    assert torch.equal(balancer.window_stats().local_window(), every.local_window())
+    assert balancer.window_stats().window_covers_steps == every.window_covers_steps
