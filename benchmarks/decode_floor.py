@@ -7,7 +7,8 @@ heads, 64 experts top-6 + 1 shared):
             all overhead; this is the floor.
     bench   the benchmark model (benchmarks/bench_model.py): the floor plus the weight streams.
 
-For each model, weight format (fp32, int8) and batch: the median step time, then one
+For each model, weight format (fp32, int8) and batch: the median step time (and the same
+steps with the decode stack off, the layers as modules: "step ms as modules"), then one
 cProfile of a few steps broken down by module (the time inside each module's forward, per
 step and per layer; cProfile inflates Python, so read the shares, not the absolute times)
 and the calls per step (module calls, ctypes kernel calls). Prints a table, writes JSON.
@@ -55,12 +56,14 @@ TINY_CONFIG = {
 }
 
 # (row label, the qualified names of the functions whose cumulative time it is)
+# (a decode step goes through models/decode_stack.DecodeStack, which runs the layers' calls
+# without their modules: its rows count those calls)
 MODULES = [
-    ("attention (MLA)", ("MLAttention.forward",)),
-    ("MoE block", ("MoEBlock.forward",)),
+    ("attention (MLA)", ("MLAttention.forward", "MLADecodeCalls.run")),
+    ("MoE block", ("MoEBlock.forward", "MoEDecodeCalls.run")),
     ("dense MLP (layer 0)", ("GatedMLP.forward",)),
-    ("RMSNorm", ("RMSNorm.forward",)),
-    ("decoder layers", ("DecoderLayer.forward",)),
+    ("RMSNorm", ("RMSNorm.forward", "ResidualRows.start", "ResidualRows.add")),
+    ("decoder layers", ("DecoderLayer.forward", "DecodeStack.__call__")),
     ("model forward", ("MoECausalLM.forward",)),
     ("lm_head + sampler", ("ModelRunner._sample",)),
     ("runner.prepare", ("ModelRunner.prepare",)),
@@ -190,12 +193,17 @@ def _qualnames() -> dict[tuple[str, int, str], str]:
     from moeserve.layers.moe_block import MoEBlock
     from moeserve.layers.norm import RMSNorm
     from moeserve.models.base import DecoderLayer, MoECausalLM
+    from moeserve.models.decode_stack import DecodeStack
+    from moeserve.ops.cpu.mla_decode import MLADecodeCalls
+    from moeserve.ops.cpu.moe_decode import MoEDecodeCalls
+    from moeserve.ops.cpu.residual import ResidualRows
 
     out = {}
     for cls in (LLMEngine, ModelRunner, GatedMLP, MLAttention, MoEBlock, RMSNorm):
         out.update(_methods(cls))
-    for cls in (DecoderLayer, MoECausalLM):
+    for cls in (DecoderLayer, MoECausalLM, DecodeStack, MLADecodeCalls, MoEDecodeCalls):
         out.update(_methods(cls))
+    out.update(_methods(ResidualRows))
     return out
 
 
@@ -213,7 +221,14 @@ def run_case(llm: LLM, name: str, fmt: str, batch: int, args, vocab: int, layers
     for r in range(args.repeats):
         times += step_times(llm, batch, args.steps, vocab, f"{name}-{fmt}-{batch}-{r}")
     step_ms = 1e3 * statistics.median(times)
+    model = llm.engine.runner.model
+    model.use_decode_stack(False)  # the same steps layer by layer, as modules
+    layer_times: list[float] = []
+    for r in range(args.repeats):
+        layer_times += step_times(llm, batch, args.steps, vocab, f"{name}-{fmt}-{batch}-l{r}")
+    model.use_decode_stack()
     row = dict(model=name, format=fmt, batch=batch, step_ms=step_ms, tok_s=batch / step_ms * 1e3)
+    row["layers_step_ms"] = 1e3 * statistics.median(layer_times)
     if not args.no_profile:
         row.update(profile_steps(llm, batch, args.profile_steps, vocab, f"p-{name}-{fmt}-{batch}"))
         row["layers"] = layers
@@ -221,9 +236,10 @@ def run_case(llm: LLM, name: str, fmt: str, batch: int, args, vocab: int, layers
 
 
 HEADER = (
-    "| model | format | batch | step ms | tok/s | module calls/step | ctypes calls/step "
-    "| per layer (profiled): attention / MoE / norms us | outside layers (profiled) ms |\n"
-    "|---|---|---:|---:|---:|---:|---:|---|---:|"
+    "| model | format | batch | step ms | tok/s | step ms as modules | module calls/step "
+    "| ctypes calls/step | per layer (profiled): attention / MoE / norms us "
+    "| outside layers (profiled) ms |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"
 )
 
 
@@ -246,7 +262,7 @@ def table_row(r: dict) -> str:
     outside = m.get("engine.step", 0) - m.get("decoder layers", 0)
     return (
         f"| {r['model']} | {r['format']} | {r['batch']} | {r['step_ms']:.2f} "
-        f"| {r['tok_s']:.1f} | {r.get('module_calls_per_step', 0):.0f} "
+        f"| {r['tok_s']:.1f} | {r['layers_step_ms']:.2f} | {r.get('module_calls_per_step', 0):.0f} "
         f"| {r.get('ctypes_calls_per_step', 0):.0f} | {per_layer} | {outside:.2f} |"
     )
 
