@@ -161,7 +161,8 @@ class ModelRunner:
                 seqs.append(s.seq)
                 idx.append(i)
         if rows:
-            logits = self.model.compute_logits(h_TD[rows])
+            # every row samples (decodes only): the rows as they are, not an indexed copy
+            logits = self.model.compute_logits(h_TD if len(rows) == len(h_TD) else h_TD[rows])
             if masks is not None:  # structured output: each constrained row to its grammar
                 masks.apply(logits)
             result = self.sampler(logits, seqs)

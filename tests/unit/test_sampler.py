@@ -11,6 +11,7 @@ from moeserve.layers import sampler as sampler_mod
 from moeserve.layers.sampler import (
     Sampler,
     compute_prompt_logprobs,
+    greedy_ids,
     process_logits,
     reference_process_logits,
     reference_sampling_logits,
@@ -47,6 +48,21 @@ def test_greedy_is_argmax_and_input_untouched():
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 5
     assert torch.equal(logits, before)
+
+
+def test_greedy_ids_are_torch_argmax():
+    """Ties (the first), nan (the first nan), all -inf, signed zeros; fp32 through NumPy, other
+    dtypes through torch."""
+    nan, inf = float("nan"), float("inf")
+    rows = [[1, 3, 3, 2], [nan, 1, nan, 5], [-inf] * 4, [2, nan, 9, 9], [0.0, -0.0, 0.0, -1]]
+    x = torch.tensor(rows)
+    assert torch.equal(greedy_ids(x), x.argmax(-1))
+    assert greedy_ids(x).dtype == torch.int64
+    big = torch.randn(3, 32000)
+    big[1, 7] = big[1, 9000] = big[1].max() + 1
+    assert torch.equal(greedy_ids(big), big.argmax(-1))
+    assert torch.equal(greedy_ids(big.double()), big.argmax(-1))
+    assert torch.equal(greedy_ids(big[:, ::2]), big[:, ::2].argmax(-1))  # strided rows
 
 
 def test_empty_batch_and_shape_check():
