@@ -1,4 +1,4 @@
-"""A stage's decoder layers run for a decode step as one loop of prebound calls.
+"""A stage's decoder layers run for a decode step as chains of prebound kernel calls.
 
 Shape legend: T decode rows, D model dim.
 
@@ -8,24 +8,30 @@ buffers of :class:`~moeserve.ops.cpu.residual.ResidualRows`::
 
     x = norm1_0(h)
     for each layer i:
-        y = attention(x)        MLADecodeCalls.run, bound to x and y; else the module
+        y = attention(x)        MLADecodeCalls' calls, bound to x and y; else the module
         h += y; x = norm2_i(h)                                    one call
-        y = mlp(x)              MoEDecodeCalls.run, bound to x and y; else the module
+        y = mlp(x)              MoEDecodeCalls' calls, bound to x and y; else the module
         h += y; x = norm1_i+1(h)                                  one call (no norm after the last)
+
+The bound calls of consecutive sublayers form one call chain (``ops/cpu/chain.py``), made
+from C in one ctypes call with this step's positions, cache slots and block table as its
+registers; a sublayer that runs as its module (a dense MLP, another attention, EP or TP, calls
+switched off by ``use_decode_calls(False)``) or from Python (experts whose ``run`` is more
+than one call) sits between two chains. The program is made once and again only when a
+layer's calls, a norm, the row count or a call's buffers change. The benchmark model's step
+is two chains around layer 0's dense MLP.
 
 The numbers are the layers', bit for bit: the same kernels in the same order (the adds are
 torch's, one rounding each). What it saves is the Python and torch around the kernels: after
 each weight stream the caches are cold, and every module call, torch op and allocation
 between two kernels then took 10-30 us (a tensor add 6, ``torch.empty`` 20, a module call
-that does nothing 12, against 3 for a ctypes call with its arguments ready; measured on the
-benchmark model's host), ~200 us a layer in all (docs/benchmarks.md).
+that does nothing 12, against 3 for a ctypes call with its arguments ready and ~0.1 in a
+chain; measured on the benchmark model's host), ~200 us a layer in all (docs/benchmarks.md).
 
 It steps aside (returns None, and the layers run as modules) where anything would differ:
 prefill rows in the step, more rows than the kernels take, no kernels, a norm without its
 kernel, or a hook on a module it would skip (the layers, their norms, and the sublayers it runs
-as calls; also torch's global module hooks). A sublayer without calls (a dense MLP, another
-attention, EP or TP, calls switched off by ``use_decode_calls(False)``) runs as its module on
-``x``.
+as calls; also torch's global module hooks).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from moeserve.layers.attention_meta import AttentionMetadata
+from moeserve.ops.cpu.chain import NEGATIVE, CallChain, ChainError, Register
 from moeserve.ops.cpu.mla_decode import steps_ok
 from moeserve.ops.cpu.residual import ResidualRows
 
@@ -61,6 +68,10 @@ class DecodeStack:
         self._attn = [getattr(layer.self_attn, "decode_calls", None) for layer in self.layers]
         self._mlp = [getattr(layer.mlp, "whole_decode_calls", None) for layer in self.layers]
         self.rows: ResidualRows | None = None
+        # the step's program (_program) and what it was made for
+        self._key: tuple | None = None
+        self._bound: list = []
+        self._parts: list = []
 
     def hooked(self) -> bool:
         """Whether a forward hook would miss a call the stack skips."""
@@ -95,22 +106,72 @@ class DecodeStack:
         # cache (between two weight streams each check cost ~20 us, ~0.4 ms a step)
         attns = [None if f is None else f() for f in self._attn]
         mlps = [None if f is None else f() for f in self._mlp]
-        pos, slots = positions_T.data_ptr(), slots_T.data_ptr()
-        r.start(h_TD, norms[0])
-        for i, layer in enumerate(self.layers):
-            attn = attns[i]
-            if attn is not None and (attn.bound_rows() == r.key or attn.rows(r.x, r.y)):
-                attn.run(pos, slots, step)
-                r.add(None, norms[2 * i + 1])
+        program = self._program(attns, mlps, norms, r)
+        r.h.copy_(h_TD)
+        registers = (positions_T.data_ptr(), slots_T.data_ptr(), *step)
+        for part in program:
+            if isinstance(part, tuple):  # a sublayer as its module, or its calls from Python
+                kind, i, norm = part
+                if kind == "attention":
+                    y_TD = _rows(self.layers[i].self_attn(positions_T, r.x, meta), r)
+                elif kind == "mlp":
+                    y_TD = _rows(self.layers[i].mlp(r.x), r)
+                else:  # MoE calls whose experts make more than one call
+                    mlps[i].run()
+                    y_TD = None
+                r.add(y_TD, norm)
             else:
-                r.add(_rows(layer.self_attn(positions_T, r.x, meta), r), norms[2 * i + 1])
-            mlp = mlps[i]
-            if mlp is not None and (mlp.bound_rows() == r.key or mlp.rows(r.x, r.y)):
-                mlp.run()
-                r.add(None, norms[2 * i + 2])
-            else:
-                r.add(_rows(layer.mlp(r.x), r), norms[2 * i + 2])
+                _run(part, registers)
         return r.h.clone()
+
+    def _program(self, attns: list, mlps: list, norms: list, r: ResidualRows) -> list:
+        """The step as call chains and the sublayers between them that run from Python; made
+        again when a layer's calls, a norm or the buffers changed, or a call no longer runs
+        on the buffers (``rows``: another row count went through it)."""
+        key = (r, tuple(attns), tuple(mlps), tuple(norms))
+        if key == self._key and all(c.bound_rows() == r.key for c in self._bound):
+            return self._parts
+        parts, bound, c = [], [], CallChain()
+
+        def sublayer(kind: str, i: int, norm) -> None:
+            nonlocal c
+            if len(c):
+                parts.append(c.build())
+                c = CallChain()
+            parts.append((kind, i, norm))
+
+        r.chain_norm(c, norms[0])
+        for i in range(len(self.layers)):
+            attn, mlp = attns[i], mlps[i]
+            if attn is not None and attn.rows(r.x, r.y):
+                attn.chain(c, Register(0), Register(1), tuple(Register(j) for j in range(2, 6)))
+                r.chain_add(c, norms[2 * i + 1])
+                bound.append(attn)
+            else:
+                sublayer("attention", i, norms[2 * i + 1])
+            if mlp is not None and mlp.rows(r.x, r.y):
+                bound.append(mlp)
+                if mlp.chain(c):
+                    r.chain_add(c, norms[2 * i + 2])
+                else:
+                    sublayer("mlp calls", i, norms[2 * i + 2])
+            else:
+                sublayer("mlp", i, norms[2 * i + 2])
+        if len(c):
+            parts.append(c.build())
+        self._key, self._bound, self._parts = key, bound, parts
+        return parts
+
+
+def _run(chain, registers: tuple) -> None:
+    """Run a chain of the step; a failed call raises as the layers' calls do (MemoryError for
+    a kernel out of scratch memory, RuntimeError for the sort's broken invariant)."""
+    try:
+        chain.run(*registers)
+    except ChainError as e:
+        if e.check == NEGATIVE:
+            raise RuntimeError(f"decode step: {e.name}: an expert id outside the slots") from e
+        raise MemoryError(f"decode step: {e.name}: out of memory for its scratch") from e
 
 
 def _rows(y_TD: torch.Tensor, r: ResidualRows) -> torch.Tensor:

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.models.decode_stack import DecodeStack, _rows
+from moeserve.models.decode_stack import DecodeStack, _rows, _run
+from moeserve.ops.cpu import chain
 from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu.chain import NEGATIVE, NONZERO, BuiltChain, ChainError, PythonChain
 from moeserve.ops.cpu.mla_decode import MLADecodeCalls
 from moeserve.ops.cpu.moe_decode import MoEDecodeCalls
 from moeserve.ops.cpu.residual import ResidualRows
@@ -99,6 +101,24 @@ def test_the_stack_gives_the_layers_numbers(checkpoints, stack_runs, quantizatio
     llm.shutdown()
 
 
+@pytest.mark.parametrize("built", [True, False])
+def test_the_calls_in_c_and_from_python_agree(checkpoints, stack_runs, built, monkeypatch):
+    """The step's calls as chains made in C (ops/cpu/chain.c) or, without that library, one
+    by one from Python: the layers' numbers either way. int8: every MoE layer's calls chain
+    (layer 0's dense MLP runs as its module between two chains)."""
+    if not built:
+        monkeypatch.setattr(chain, "_library", lambda: None)
+    elif not chain.available():
+        pytest.skip("no chain library (libffi) here")
+    llm = LLM(model=str(checkpoints["deepseek_v3"]), quantization="int8", **ENGINE)
+    want = _generate(llm, False)
+    assert _generate(llm, True) == want and all(stack_runs)
+    parts = llm.engine.model._stack._parts
+    kind = BuiltChain if built else PythonChain
+    assert [type(p) for p in parts] == [kind, tuple, kind] and parts[1][:2] == ("mlp", 0)
+    llm.shutdown()
+
+
 def test_sublayers_without_calls_run_as_modules(checkpoints, stack_runs):
     """Qwen2-MoE (GQA attention, softmax routing, a gated shared expert): no calls bind, so
     the stack runs every sublayer as its module between its residual calls; the same
@@ -157,3 +177,17 @@ def test_a_sublayer_output_of_the_wrong_shape_is_an_error():
         _rows(torch.zeros(2, 3), rows)
     y = torch.ones(8, 2, dtype=torch.float64).t()  # other dtype, strided: converted
     assert _rows(y, rows).is_contiguous() and _rows(y, rows).dtype == torch.float32
+
+
+def test_a_failed_call_raises_as_the_layers_calls_do():
+    class Failing:
+        def __init__(self, check):
+            self.check = check
+
+        def run(self, *registers):
+            raise ChainError(3, "MoE sort" if self.check == NEGATIVE else "MLA W_UK", self.check)
+
+    with pytest.raises(RuntimeError, match="MoE sort: an expert id outside"):
+        _run(Failing(NEGATIVE), ())
+    with pytest.raises(MemoryError, match="MLA W_UK: out of memory"):
+        _run(Failing(NONZERO), ())

@@ -281,6 +281,9 @@ class BoundMoE:
         self.args += (b.y_sorted.data_ptr(), 1, self.xp.data_ptr(), self.h.data_ptr())
         self.args += (self.hp.data_ptr(),)
 
+    def call_args(self) -> tuple:
+        return self.fn, self.args, self.y
+
     def run(self, G: int) -> torch.Tensor:
         self.fn(G, *self.args)
         return self.y

@@ -169,3 +169,9 @@ class BoundExperts(Protocol):
     def prepare(self, buffers: MoEBuffers) -> None: ...
 
     def run(self, G: int) -> torch.Tensor: ...
+
+    def call_args(self) -> tuple | None:
+        """``(fn, args, y)`` where ``run(G)`` is the one call ``fn(G, *args)`` (its return
+        unchecked) writing ``y`` (what ``run`` returns): a call chain makes it
+        (``ops/cpu/chain.py``); None where ``run`` does more."""
+        ...

@@ -40,6 +40,11 @@ ARM_MACHINES = ("aarch64", "arm64")  # platform.machine() on Linux and on macOS
 PORTABLE = frozenset({"bitmask.c", "moe_sort.c", "rope.c"})
 # the sources with an aarch64 body: the portable ones, and those with NEON/SVE inner loops
 ARM_SOURCES = PORTABLE | {"attention.c", "fp32.c", "int8.c"}
+# libraries a source links besides libm: the call chain makes its calls through libffi (the
+# library ctypes itself uses; its headers come with the Debian package libffi-dev); it has no
+# aarch64 build yet (the cross compiler here has no aarch64 libffi), and there the calls go
+# one by one from Python
+LIBRARIES = {"chain.c": ("-lffi",)}
 # aarch64 Features -> GCC -march extension, in the order GCC expects them
 _ARM_EXTENSIONS = (("asimddp", "dotprod"), ("i8mm", "i8mm"), ("bf16", "bf16"), ("sve", "sve"))
 
@@ -78,7 +83,7 @@ def _compile(source: Path, out: Path, flags: tuple[str, ...]) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, *flags, str(source), "-o", tmp, "-lm"]
+        cmd = [cc, *flags, str(source), "-o", tmp, "-lm", *LIBRARIES.get(source.name, ())]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)  # atomic: concurrent builders agree on one file
     finally:

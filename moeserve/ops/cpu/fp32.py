@@ -333,6 +333,9 @@ class BoundMoE:
     def prepare(self, buffers: MoEBuffers) -> None:
         self.buffers = buffers
 
+    def call_args(self) -> None:
+        return None  # run does more than one call
+
     def run(self, G: int) -> torch.Tensor:
         b = self.buffers
         experts, _starts, counts = b.meta[:, :G].tolist()

@@ -361,6 +361,9 @@ class BoundMoE:
         self.args = (*b.group_args(), *self.w_args, b.weight.data_ptr(), b.h.data_ptr())
         self.args += (b.y_sorted.data_ptr(), self.isa)
 
+    def call_args(self) -> tuple:
+        return self.fn, self.args, self.y
+
     def run(self, G: int) -> torch.Tensor:
         self.fn(G, *self.args)
         return self.y

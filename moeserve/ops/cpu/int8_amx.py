@@ -241,6 +241,9 @@ class BoundMoE:
         self.args = (*b.group_args(), *self.w_args, b.weight.data_ptr())
         self.args += (b.y_sorted.data_ptr(), *self.ws.pointers())
 
+    def call_args(self) -> tuple:
+        return self.fn, self.args, self.y
+
     def run(self, G: int) -> torch.Tensor:
         self.fn(G, *self.args)
         return self.y

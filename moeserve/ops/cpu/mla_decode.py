@@ -31,6 +31,7 @@ from moeserve.ops.cpu import attention as cpu_attention
 from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.cpu import rope
 from moeserve.ops.cpu.bound import BoundHeadGemm, Pointers, pointers
+from moeserve.ops.cpu.chain import CallChain
 
 
 @dataclass(frozen=True, eq=False)
@@ -226,6 +227,21 @@ class MLADecodeCalls:
         self._attend(positions_ptr, slots_ptr, step)
         if o_fn(*o):
             raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
+
+    def chain(self, c: CallChain, positions, slots, step: tuple) -> None:
+        """Add :meth:`run`'s calls, as :meth:`rows` bound them, to ``c``; ``positions``,
+        ``slots`` and ``step``'s four values as the chain passes them (its registers)."""
+        w = self.w
+        qkv_fn, qkv, q_b_fn, q_b, o_fn, o = self.raw
+        c.add(qkv_fn, qkv, name="MLA qkv_a projection")
+        if self.qn is not None:
+            c.add(self.norm_fn, self.qnorm_args, name="MLA q norm")
+        c.add(q_b_fn, q_b, name="MLA q_b projection")
+        c.add(self.rope_fn, (*self.rope_head, positions, *self.rope_mid, slots), name="MLA rope")
+        c.add(w.uk.fn, self.uk_args, name="MLA W_UK")
+        c.add(self.attn_fn, (*self.attn_head, *step, *self.attn_out), name="MLA attention")
+        c.add(w.uv.fn, self.uv_args, name="MLA W_UV")
+        c.add(o_fn, o, name="MLA o_proj")
 
     def _attend(self, positions_ptr: int, slots_ptr: int, step: tuple) -> None:
         """rope and the cache write, W_UK, the paged attention and W_UV: ``q`` -> ``out``."""

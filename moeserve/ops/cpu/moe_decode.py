@@ -23,6 +23,7 @@ import torch
 from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.cpu import moe_sort
 from moeserve.ops.cpu.bound import BoundExperts, MoEBuffers, Pointers, pointers
+from moeserve.ops.cpu.chain import NEGATIVE, NONE, CallChain, Result
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,25 @@ class MoEDecodeCalls:
         if gate_fn(*gate):
             raise MemoryError("MoE decode: out of memory for the router's workspace")
         self._combine(self._route(x, ldx), y)
+
+    def chain(self, c: CallChain) -> bool:
+        """Add :meth:`run`'s calls, as :meth:`rows` bound them, to ``c`` (the sort's group
+        count passed on to the experts' call); False, having added nothing, where the experts
+        do more than one call (their ``call_args`` is None)."""
+        experts = self.experts.call_args()
+        if experts is None:
+            return False
+        gate_fn, gate, x, ldx, y = self.raw
+        c.add(gate_fn, gate, name="MoE router projection")
+        route = (self.T, *self.route_const, self.logits.data_ptr(), *self.route_mid)
+        route += (*self.route_out, self.counts.data_ptr(), self.extra)
+        c.add(self.route_fn, route, name="MoE routing")
+        sort = c.add(self.sort_fn, (*self.sort_args, x, ldx, *self.sort_out), NEGATIVE, "MoE sort")
+        fn, args, y_RD = experts
+        c.add(fn, (Result(sort), *args), NONE, "MoE experts")
+        combine = (self.T * self.K, self.T, self.D, y_RD.data_ptr(), self.token, y)
+        c.add(self.combine_fn, combine, name="MoE combine")
+        return True
 
     def _route(self, x: int, ldx: int) -> int:
         """Route the logits (choices counted) and sort the rows at ``x`` by expert: the number

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu.chain import CallChain
 from moeserve.ops.cpu.fp32 import BoundRMSNorm
 
 
@@ -85,14 +86,24 @@ class ResidualRows:
     def start(self, h_TD: torch.Tensor, norm: BoundRMSNorm) -> None:
         """``h = h_TD`` (copied), ``x = norm(h)``: the first layer's input."""
         self.h.copy_(h_TD)
-        self._fn(*self._h, None, 0, norm.ptr, norm.eps, *self._x)
+        self._fn(*self._args((None, 0), norm))
 
     def add(self, y_TD: torch.Tensor | None, norm: BoundRMSNorm | None) -> None:
         """``h += y`` (``y_TD``: a sublayer's output; None: the ``y`` buffer), then ``x =
         norm(h)`` (no norm: the add alone, after the last layer). ``y_TD`` must be ``[T, D]``
         fp32 with unit-stride rows."""
         y = self._y if y_TD is None else (y_TD.data_ptr(), y_TD.stride(0))
+        self._fn(*self._args(y, norm))
+
+    def chain_norm(self, c: CallChain, norm: BoundRMSNorm) -> None:
+        """Add ``x = norm(h)`` (:meth:`start` after its copy) to the call chain ``c``."""
+        c.add(self._fn, self._args((None, 0), norm), name="residual norm")
+
+    def chain_add(self, c: CallChain, norm: BoundRMSNorm | None) -> None:
+        """Add :meth:`add` of the ``y`` buffer to the call chain ``c``."""
+        c.add(self._fn, self._args(self._y, norm), name="residual add")
+
+    def _args(self, y: tuple, norm: BoundRMSNorm | None) -> tuple:
         if norm is None:
-            self._fn(*self._h, *y, None, 0.0, None, 0)
-        else:
-            self._fn(*self._h, *y, norm.ptr, norm.eps, *self._x)
+            return (*self._h, *y, None, 0.0, None, 0)
+        return (*self._h, *y, norm.ptr, norm.eps, *self._x)
