@@ -39,6 +39,7 @@ from bench_model import BENCH_CONFIG, PROMPT_LEN, bench_model_path, bench_prompt
 
 from moeserve import LLM, SamplingParams  # noqa: E402
 from moeserve.models.synthetic import write_random_deepseek  # noqa: E402
+from moeserve.ops.cpu import chain  # noqa: E402
 
 # the benchmark model's structure with tiny dimensions
 TINY_CONFIG = {
@@ -57,9 +58,10 @@ TINY_CONFIG = {
 
 # (row label, the qualified names of the functions whose cumulative time it is)
 # (a decode step goes through models/decode_stack.DecodeStack, which runs the layers' calls
-# without their modules: its rows count those calls)
+# without their modules, in call chains: the attention and MoE rows count only what runs
+# outside them)
 MODULES = [
-    ("attention (MLA)", ("MLAttention.forward", "MLADecodeCalls.run")),
+    ("attention (MLA)", ("MLAttention.forward",)),
     ("MoE block", ("MoEBlock.forward", "MoEDecodeCalls.run")),
     ("dense MLP (layer 0)", ("GatedMLP.forward",)),
     ("RMSNorm", ("RMSNorm.forward", "ResidualRows.start", "ResidualRows.add")),
@@ -115,7 +117,9 @@ def kernel_libraries() -> list[ctypes.CDLL]:
 def counting_ctypes(counts: dict[str, int], model: torch.nn.Module):
     """Count the calls of every ``moeserve_*`` function of the kernel libraries: the wrappers
     replace the library attributes, and the layers that hold prebound kernel functions (decode
-    calls, RMSNorm) bind again inside the block, and once more after it."""
+    calls, RMSNorm, the decode stack) bind again inside the block, and once more after it.
+    Inside it the decode stack's call chains make their calls from Python (the chain library
+    calls C functions, not the wrappers): the same calls, each counted."""
     saved = []
     for lib in kernel_libraries():
         for name in [n for n in vars(lib) if n.startswith("moeserve_")]:
@@ -125,19 +129,25 @@ def counting_ctypes(counts: dict[str, int], model: torch.nn.Module):
                 counts[_name] = counts.get(_name, 0) + 1
                 return _fn(*args)
 
+            wrapper.argtypes, wrapper.restype = getattr(fn, "argtypes", None), fn.restype
             saved.append((lib, name, fn))
             setattr(lib, name, wrapper)
+    library = chain._library
+    chain._library = lambda: None
     unbind(model)
     try:
         yield
     finally:
         for lib, name, fn in saved:
             setattr(lib, name, fn)
+        chain._library = library
         unbind(model)
 
 
 def unbind(model: torch.nn.Module) -> None:
-    """Drop the prebound kernel calls of every layer (they bind again on their next call)."""
+    """Drop the prebound kernel calls of every layer and the decode stack (they bind again on
+    their next call)."""
+    model.use_decode_stack()
     for m in model.modules():
         if hasattr(m, "use_decode_calls"):
             m.use_decode_calls()
@@ -194,14 +204,13 @@ def _qualnames() -> dict[tuple[str, int, str], str]:
     from moeserve.layers.norm import RMSNorm
     from moeserve.models.base import DecoderLayer, MoECausalLM
     from moeserve.models.decode_stack import DecodeStack
-    from moeserve.ops.cpu.mla_decode import MLADecodeCalls
     from moeserve.ops.cpu.moe_decode import MoEDecodeCalls
     from moeserve.ops.cpu.residual import ResidualRows
 
     out = {}
     for cls in (LLMEngine, ModelRunner, GatedMLP, MLAttention, MoEBlock, RMSNorm):
         out.update(_methods(cls))
-    for cls in (DecoderLayer, MoECausalLM, DecodeStack, MLADecodeCalls, MoEDecodeCalls):
+    for cls in (DecoderLayer, MoECausalLM, DecodeStack, MoEDecodeCalls):
         out.update(_methods(cls))
     out.update(_methods(ResidualRows))
     return out

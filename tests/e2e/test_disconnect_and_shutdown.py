@@ -168,6 +168,9 @@ def test_a_client_that_does_not_read_never_stalls_the_engine(server, http, clien
             )
             assert b.usage.completion_tokens == 40
             time.sleep(1.0)
-            assert generated() - before > 40 + 20  # A kept generating while unread
-            assert http.get("/debug/engine").json()["num_running"] == 1
+            done = generated() - before
+            assert done > 40 + 20  # A kept generating while unread
+            # A is still running, or a fast engine (the decode stack) has produced all of it
+            running = http.get("/debug/engine").json()["num_running"]
+            assert running == 1 or done >= 1500 + 40, (running, done)
     _wait_idle(http)

@@ -17,7 +17,8 @@ Per step, seven ctypes calls and no torch ops besides the output's allocation::
 
 ``__call__`` takes any rows ``x`` and returns a new output; the decode stack
 (``models/decode_stack.py``) binds the calls once to its own buffers (:meth:`MLADecodeCalls.
-rows`) and then runs them by address (:meth:`MLADecodeCalls.run`): no torch call at all.
+rows`) and adds them to a call chain (:meth:`MLADecodeCalls.chain`, ``chain.py``): no torch
+call at all.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class MLADecodeCalls:
         self.pointers += w.uk.pointers + w.uv.pointers
         self.pointers += w.qkv_a.pointers + w.q_b.pointers + w.o.pointers
         self.T = 0  # the row count the buffers and argument tuples below are for
-        self.raw: tuple | None = None  # run's calls (rows)
+        self.raw: tuple | None = None  # the projections' calls on the bound rows (rows)
         self.raw_rows: tuple = ()
 
     @staticmethod
@@ -190,10 +191,10 @@ class MLADecodeCalls:
         return y_TD if w.reduce is None else w.reduce(y_TD)
 
     def rows(self, x_TD: torch.Tensor, y_TD: torch.Tensor) -> bool:
-        """Bind :meth:`run` to the rows of ``x_TD`` and to ``y_TD`` for o_proj's output (both
-        ``[T, D]`` fp32 with unit-stride rows, kept where they are by the caller: the decode
-        stack's buffers). False where the calls do not take them: more rows than the kernels
-        take, or an all-reduce after o_proj (tensor parallelism)."""
+        """Bind :meth:`chain`'s calls to the rows of ``x_TD`` and to ``y_TD`` for o_proj's
+        output (both ``[T, D]`` fp32 with unit-stride rows, kept where they are by the caller:
+        the decode stack's buffers). False where the calls do not take them: more rows than
+        the kernels take, or an all-reduce after o_proj (tensor parallelism)."""
         T = x_TD.shape[0]
         if not (0 < T <= self.max_rows) or self.w.reduce is not None:
             return False
@@ -210,27 +211,14 @@ class MLADecodeCalls:
         return True
 
     def bound_rows(self) -> tuple:
-        """``(T, x address, y address)`` that :meth:`run` is bound to; empty when it is not
-        (a ``__call__`` of another row count prepares new buffers)."""
+        """``(T, x address, y address)`` that :meth:`chain`'s calls are bound to; empty when
+        they are not (a ``__call__`` of another row count prepares new buffers)."""
         return self.raw_rows
 
-    def run(self, positions_ptr: int, slots_ptr: int, step: tuple) -> None:
-        """The step of ``__call__`` on the rows :meth:`rows` bound, ``y_TD`` written: the
-        positions and cache slots (int64, contiguous) by address, ``step`` as there."""
-        qkv_fn, qkv, q_b_fn, q_b, o_fn, o = self.raw
-        if qkv_fn(*qkv):
-            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
-        if self.qn is not None:
-            self.norm_fn(*self.qnorm_args)
-        if q_b_fn(*q_b):
-            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
-        self._attend(positions_ptr, slots_ptr, step)
-        if o_fn(*o):
-            raise MemoryError("MLA decode: out of memory for the kernels' scratch buffers")
-
     def chain(self, c: CallChain, positions, slots, step: tuple) -> None:
-        """Add :meth:`run`'s calls, as :meth:`rows` bound them, to ``c``; ``positions``,
-        ``slots`` and ``step``'s four values as the chain passes them (its registers)."""
+        """Add the step of ``__call__`` on the rows :meth:`rows` bound (``y_TD`` written) to
+        ``c``; ``positions`` and ``slots`` (addresses of int64 rows) and ``step``'s four
+        values as the chain passes them (its registers)."""
         w = self.w
         qkv_fn, qkv, q_b_fn, q_b, o_fn, o = self.raw
         c.add(qkv_fn, qkv, name="MLA qkv_a projection")

@@ -11,7 +11,8 @@ BoundExperts`), the rows added back per token. Every argument is derived when th
 changes, so a step is five ctypes calls. ``ops/moe.py: moe_grouped`` (with the router's torch
 routing) is the reference and runs where this does not apply; the two agree bit for bit.
 As with ``mla_decode.py``, the decode stack binds the calls to its buffers once
-(:meth:`MoEDecodeCalls.rows`) and runs them by address (:meth:`MoEDecodeCalls.run`).
+(:meth:`MoEDecodeCalls.rows`) and adds them to a call chain (:meth:`MoEDecodeCalls.chain`), or
+runs them from Python (:meth:`MoEDecodeCalls.run`) where the experts make more than one call.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class MoEDecodeCalls:
         bound = () if bias_E is None else (bias_E,)
         self.pointers: Pointers = pointers(*bound, counts_E) + experts.pointers + gate.pointers
         self.T = 0  # the row count the buffers below are for
-        self.raw: tuple | None = None  # run's calls (rows)
+        self.raw: tuple | None = None  # the router's call on the bound rows (rows)
         self.raw_rows: tuple = ()
 
     @staticmethod
@@ -150,9 +151,9 @@ class MoEDecodeCalls:
         return y_TD
 
     def rows(self, x_TD: torch.Tensor, y_TD: torch.Tensor) -> bool:
-        """Bind :meth:`run` to the rows of ``x_TD`` and to ``y_TD`` for the output (both
-        ``[T, D]`` fp32, contiguous, kept where they are by the caller: the decode stack's
-        buffers); False where the kernels do not take them."""
+        """Bind :meth:`run` and :meth:`chain` to the rows of ``x_TD`` and to ``y_TD`` for the
+        output (both ``[T, D]`` fp32, contiguous, kept where they are by the caller: the
+        decode stack's buffers); False where the kernels do not take them."""
         if not (fp32_kernels.few_rows(x_TD, self.max_rows) and y_TD.is_contiguous()):
             return False
         T = x_TD.shape[0]
