@@ -164,7 +164,7 @@ class MoECausalLM(nn.Module):
             h_TD = self.embed_tokens(input_ids_T)
         stack = self._decode_stack()
         out_TD = None if stack is None else stack(positions_T, h_TD, meta)
-        if out_TD is not None:  # decodes only: the layers' calls in one loop
+        if out_TD is not None:  # decodes only: the layers' calls in call chains
             h_TD = out_TD
         else:
             for layer in self.layers:
