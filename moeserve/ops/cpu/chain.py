@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,19 +64,49 @@ def available() -> bool:
     return _library() is not None
 
 
-def _slot(kind: int, value) -> int:
-    """A 64-bit slot holding ``value`` as an argument of ``kind``."""
-    if kind == 3:  # float: its bits in the low bytes
-        return struct.unpack("<I", struct.pack("<f", float(value)))[0]
-    value = 0 if value is None else int(value)
-    return value & 0xFFFFFFFF if kind == 1 else value & 0xFFFFFFFFFFFFFFFF
+def _float_bits(value) -> int:
+    """A float argument's slot: its fp32 bits in the low bytes."""
+    return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+
+
+# id(fn) -> (fn, argument kinds, return kind, address): a function's signature, checked once
+_SIGNATURES: dict[int, tuple] = {}
+
+
+def _signature(fn, name: str) -> tuple[tuple[int, ...], int]:
+    """``(argument kinds, return kind)`` of a ctypes function; ValueError for one the chain
+    cannot call."""
+    known = _SIGNATURES.get(id(fn))
+    if known is not None and known[0] is fn:
+        return known[1], known[2]
+    argtypes, restype = getattr(fn, "argtypes", None), getattr(fn, "restype", None)
+    if argtypes is None:
+        raise ValueError(f"{name or fn}: not a ctypes function with arguments declared")
+    if any(t not in _KINDS for t in argtypes) or (
+        restype is not None and restype not in (ctypes.c_int64, ctypes.c_int)
+    ):
+        raise ValueError(f"{name or fn}: argument or return types the chain cannot pass")
+    kinds = tuple(_KINDS[t] for t in argtypes)
+    rkind = _VOID if restype is None else _KINDS[restype]
+    _SIGNATURES[id(fn)] = (fn, kinds, rkind, None)
+    return kinds, rkind
+
+
+def _function_address(fn) -> int:
+    """The C address of a ctypes function (found once)."""
+    known = _SIGNATURES[id(fn)]
+    if known[3] is None:
+        known = _SIGNATURES[id(fn)] = (*known[:3], ctypes.cast(fn, ctypes.c_void_p).value)
+    return known[3]
 
 
 class CallChain:
     """Calls to collect, then :meth:`build`."""
 
     def __init__(self) -> None:
-        self._calls: list[tuple[object, tuple, int, str]] = []
+        # (fn, args, check, name, argument kinds, return kind, the arguments that are not
+        # plain ints or sit where a float goes: (position, value))
+        self._calls: list[tuple] = []
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -87,21 +118,18 @@ class CallChain:
         as the kernels that allocate report a failure); ``name`` says which call failed.
         Returns the call's index. Raises ValueError for an argument count or type the
         function does not take."""
-        argtypes = getattr(fn, "argtypes", None)
-        if argtypes is None or len(argtypes) != len(args):
-            raise ValueError(f"{name or fn}: {len(args)} arguments for {argtypes}")
-        if any(t not in _KINDS for t in argtypes) or (
-            fn.restype is not None and fn.restype not in (ctypes.c_int64, ctypes.c_int)
-        ):
-            raise ValueError(f"{name or fn}: argument or return types the chain cannot pass")
-        for a, t in zip(args, argtypes, strict=True):
-            if isinstance(a, Register | Result) and t not in (ctypes.c_int64, ctypes.c_void_p):
+        kinds, rkind = _signature(fn, name)
+        if len(kinds) != len(args):
+            raise ValueError(f"{name or fn}: {len(args)} arguments for {len(kinds)}")
+        odd = [(i, a) for i, a in enumerate(args) if type(a) is not int or kinds[i] == 3]
+        for i, a in odd:
+            if isinstance(a, Register | Result) and kinds[i] not in (0, 2):
                 raise ValueError(f"{name or fn}: a register or result must be int64 or address")
             if isinstance(a, Result) and not 0 <= a.call < len(self._calls):
                 raise ValueError(f"{name or fn}: the result of call {a.call}, not an earlier one")
         if check is None:
-            check = NONE if fn.restype is None else NONZERO
-        self._calls.append((fn, tuple(args), check, name))
+            check = NONE if rkind == _VOID else NONZERO
+        self._calls.append((fn, tuple(args), check, name, kinds, rkind, odd))
         return len(self._calls) - 1
 
     def build(self) -> BuiltChain | PythonChain:
@@ -110,37 +138,40 @@ class CallChain:
         lib = _library()
         if lib is None:
             return PythonChain(self._calls)
-        n = len(self._calls)
-        fns, nargs, kinds, values, rkinds, checks, ret_to = [], [], [], [], [], [], [-1] * n
-        reg_slot, reg_index = [], []
-        for fn, args, check, _ in self._calls:
-            fns.append(ctypes.cast(fn, ctypes.c_void_p).value)
-            nargs.append(len(args))
-            rkinds.append(_VOID if fn.restype is None else _KINDS[fn.restype])
-            checks.append(check)
-            for a, t in zip(args, fn.argtypes, strict=True):
-                kind = _KINDS[t]
+        calls, n = self._calls, len(self._calls)
+        values = [a for c in calls for a in c[1]]  # mostly ints already: a slot each
+        kinds = array("b", [k for c in calls for k in c[4]])
+        ret_to, reg_slot, reg_index, base = [-1] * n, [], [], 0
+        for c in calls:
+            for i, a in c[6]:
+                j = base + i
                 if isinstance(a, Register):
-                    reg_slot.append(len(values)), reg_index.append(a.index)
+                    values[j] = 0
+                    reg_slot.append(j), reg_index.append(a.index)
                 elif isinstance(a, Result):
-                    ret_to[a.call] = len(values)
-                kinds.append(kind)
-                values.append(0 if isinstance(a, Register | Result) else _slot(kind, a))
-        arrays = (
-            (ctypes.c_int64 * n)(*fns),
-            (ctypes.c_int64 * n)(*nargs),
-            (ctypes.c_int8 * len(kinds))(*kinds),
-            (ctypes.c_uint64 * len(values))(*values),
-            (ctypes.c_int8 * n)(*rkinds),
-            (ctypes.c_int64 * n)(*ret_to),
-            (ctypes.c_int8 * n)(*checks),
-        )
-        regs = ((ctypes.c_int64 * len(reg_slot))(*reg_slot),
-                (ctypes.c_int64 * len(reg_index))(*reg_index))  # fmt: skip
-        handle = lib.moeserve_chain_new(n, *arrays, len(reg_slot), *regs)
+                    values[j], ret_to[a.call] = 0, j
+                elif c[4][i] == 3:
+                    values[j] = _float_bits(a)
+                else:
+                    values[j] = 0 if a is None else int(a)
+            base += len(c[1])
+        slots = array("q", values)  # an address fits (below 2^63 in user space)
+        small = [array("q", [_function_address(c[0]) for c in calls])]
+        small += [array("q", [len(c[1]) for c in calls]), array("b", [c[5] for c in calls])]
+        small += [array("q", ret_to), array("b", [c[2] for c in calls])]
+        regs = [array("q", reg_slot or [0]), array("q", reg_index or [0])]
+        fns, nargs, rkinds, rets, checks = (_address(x) for x in small)
+        handle = lib.moeserve_chain_new(
+            n, fns, nargs, _address(kinds), _address(slots), rkinds, rets, checks,
+            len(reg_slot), *(_address(x) for x in regs),
+        )  # fmt: skip
         if not handle:
             raise MemoryError(f"a chain of {n} calls could not be prepared")
-        return BuiltChain(lib, handle, self._calls, len(values))
+        return BuiltChain(lib, handle, calls, len(values))
+
+
+def _address(a: array) -> int:
+    return a.buffer_info()[0]
 
 
 class BuiltChain:
@@ -148,8 +179,8 @@ class BuiltChain:
 
     def __init__(self, lib: ctypes.CDLL, handle: int, calls: list, n_slots: int) -> None:
         self._lib, self._handle = lib, handle
-        self.names = [name for *_, name in calls]
-        self.checks = [check for _, _, check, _ in calls]
+        self.names = [c[3] for c in calls]
+        self.checks = [c[2] for c in calls]
         self._run = lib.moeserve_chain_run
         self.n_slots = n_slots
 
@@ -176,9 +207,9 @@ class PythonChain:
     """The calls of a :class:`CallChain` made one by one from Python, as a :class:`BuiltChain`
     makes them in C: the reference, and where the chain library is not built."""
 
-    def __init__(self, calls: list[tuple[object, tuple, int, str]]) -> None:
-        self._calls = list(calls)
-        self.names = [name for *_, name in calls]
+    def __init__(self, calls: list[tuple]) -> None:
+        self._calls = [c[:4] for c in calls]
+        self.names = [c[3] for c in calls]
 
     def run(self, *registers: int) -> None:
         """As :meth:`BuiltChain.run`."""
