@@ -19,6 +19,7 @@ import ctypes
 import struct
 from array import array
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 from moeserve.ops.cpu import build
@@ -127,6 +128,8 @@ class CallChain:
                 raise ValueError(f"{name or fn}: a register or result must be int64 or address")
             if isinstance(a, Result) and not 0 <= a.call < len(self._calls):
                 raise ValueError(f"{name or fn}: the result of call {a.call}, not an earlier one")
+            if not (a is None or kinds[i] == 3 or isinstance(a, Register | Result | Integral)):
+                raise ValueError(f"{name or fn}: argument {i} ({a!r}) is not an integer")
         if check is None:
             check = NONE if rkind == _VOID else NONZERO
         self._calls.append((fn, tuple(args), check, name, kinds, rkind, odd))
@@ -200,7 +203,10 @@ class BuiltChain:
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None
         if handle:
-            self._lib.moeserve_chain_free(handle)
+            try:
+                self._lib.moeserve_chain_free(handle)
+            except (AttributeError, TypeError):  # interpreter shutdown: the library is gone
+                pass
 
 
 class PythonChain:

@@ -101,4 +101,6 @@ def test_what_a_chain_refuses():
         c.add(lib.moeserve_rms_norm, (Result(0), 8, 0, 8, 0, 1e-6, 0, 8))
     with pytest.raises(ValueError, match="arguments"):
         c.add(print, ())  # not a ctypes function
+    with pytest.raises(ValueError, match=r"argument 1 \(8.5\) is not an integer"):
+        c.add(lib.moeserve_rms_norm, (1, 8.5, 0, 8, 0, 1e-6, 0, 8))
     assert len(c) == 0
