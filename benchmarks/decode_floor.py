@@ -64,7 +64,7 @@ MODULES = [
     ("attention (MLA)", ("MLAttention.forward",)),
     ("MoE block", ("MoEBlock.forward", "MoEDecodeCalls.run")),
     ("dense MLP (layer 0)", ("GatedMLP.forward",)),
-    ("RMSNorm", ("RMSNorm.forward", "ResidualRows.start", "ResidualRows.add")),
+    ("RMSNorm", ("RMSNorm.forward", "ResidualRows.add")),
     ("decoder layers", ("DecoderLayer.forward", "DecodeStack.__call__")),
     ("model forward", ("MoECausalLM.forward",)),
     ("lm_head + sampler", ("ModelRunner._sample",)),

@@ -83,11 +83,6 @@ class ResidualRows:
             and h_TD.is_contiguous()
         )
 
-    def start(self, h_TD: torch.Tensor, norm: BoundRMSNorm) -> None:
-        """``h = h_TD`` (copied), ``x = norm(h)``: the first layer's input."""
-        self.h.copy_(h_TD)
-        self._fn(*self._args((None, 0), norm))
-
     def add(self, y_TD: torch.Tensor | None, norm: BoundRMSNorm | None) -> None:
         """``h += y`` (``y_TD``: a sublayer's output; None: the ``y`` buffer), then ``x =
         norm(h)`` (no norm: the add alone, after the last layer). ``y_TD`` must be ``[T, D]``
@@ -96,7 +91,8 @@ class ResidualRows:
         self._fn(*self._args(y, norm))
 
     def chain_norm(self, c: CallChain, norm: BoundRMSNorm) -> None:
-        """Add ``x = norm(h)`` (:meth:`start` after its copy) to the call chain ``c``."""
+        """Add ``x = norm(h)`` (the first layer's input, once ``h`` holds the step's rows) to
+        the call chain ``c``."""
         c.add(self._fn, self._args((None, 0), norm), name="residual norm")
 
     def chain_add(self, c: CallChain, norm: BoundRMSNorm | None) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu.chain import CallChain
 from moeserve.ops.cpu.fp32 import BoundRMSNorm
 from moeserve.ops.cpu.residual import ResidualRows, add_rms_norm, add_rms_norm_ref
 
@@ -56,14 +57,18 @@ def test_what_the_call_does_not_take_is_left_alone():
 
 
 def test_residual_rows_chain_the_calls():
-    """start, add with the y buffer, add with a tensor, add alone: what a layer step does."""
+    """The first norm (in a call chain), add with the y buffer, add with a tensor, add alone:
+    what a layer step does."""
     T, D = 3, 40
     h0, y, w = _case(T, D, seed=1)
     w2 = torch.rand(D) + 0.5
     n1, n2 = BoundRMSNorm.bind(w, 1e-6), BoundRMSNorm.bind(w2, 1e-5)
     r = ResidualRows(T, D)
     assert ResidualRows.usable(h0) and not ResidualRows.usable(h0.t())
-    r.start(h0, n1)
+    r.h.copy_(h0)
+    c = CallChain()
+    r.chain_norm(c, n1)
+    c.build().run()
     assert torch.equal(r.h, h0) and torch.equal(r.x, fp32_kernels.rms_norm(h0, w, 1e-6))
     r.y.copy_(y)
     r.add(None, n2)
