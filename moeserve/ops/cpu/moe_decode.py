@@ -126,7 +126,11 @@ class MoEDecodeCalls:
         self.ids = torch.empty(T, self.K, dtype=torch.int64)
         self.w = torch.empty(T, self.K, dtype=torch.float32)
         b = self.buffers = MoEBuffers.empty(R, D, self.F, self.num_slots, tokens=T)
-        self.route_out = (self.ids.data_ptr(), self.w.data_ptr())
+        # routing: (T, E, groups, top groups, top k, logits, bias, renormalise, scale, ids,
+        # weights, counts, extra slot)
+        self.route_args = (T, *self.route_const, self.logits.data_ptr(), *self.route_mid)
+        self.route_args += (self.ids.data_ptr(), self.w.data_ptr(), self.counts.data_ptr())
+        self.route_args += (self.extra,)
         m = b.meta
         self.sort_args = (T, self.K, self.num_slots, self.ids.data_ptr(), self.w.data_ptr())
         self.sort_out = (D, m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr())
@@ -186,9 +190,7 @@ class MoEDecodeCalls:
             return False
         gate_fn, gate, x, ldx, y = self.raw
         c.add(gate_fn, gate, name="MoE router projection")
-        route = (self.T, *self.route_const, self.logits.data_ptr(), *self.route_mid)
-        route += (*self.route_out, self.counts.data_ptr(), self.extra)
-        c.add(self.route_fn, route, name="MoE routing")
+        c.add(self.route_fn, self.route_args, name="MoE routing")
         sort = c.add(self.sort_fn, (*self.sort_args, x, ldx, *self.sort_out), NEGATIVE, "MoE sort")
         fn, args, y_RD = experts
         c.add(fn, (Result(sort), *args), NONE, "MoE experts")
@@ -199,10 +201,7 @@ class MoEDecodeCalls:
     def _route(self, x: int, ldx: int) -> int:
         """Route the logits (choices counted) and sort the rows at ``x`` by expert: the number
         of groups."""
-        self.route_fn(
-            self.T, *self.route_const, self.logits.data_ptr(), *self.route_mid, *self.route_out,
-            self.counts.data_ptr(), self.extra,
-        )  # fmt: skip
+        self.route_fn(*self.route_args)
         G = self.sort_fn(*self.sort_args, x, ldx, *self.sort_out)
         if G < 0:  # the routing kernel only writes ids in [0, E): a broken invariant
             raise RuntimeError(f"MoE decode: an expert id outside [0, {self.num_slots})")
