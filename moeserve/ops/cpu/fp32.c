@@ -687,8 +687,11 @@ static void CAT(gemm, SFX)(int64_t M, int64_t N, int64_t K, const float *x, int6
                            const WT *w, int64_t ldw, float *y, int64_t ldy) {
     const int64_t jobs = (N + NJ - 1) / NJ, pf = prefetch_ahead(ldw);
     const int64_t pf4 = CAT(prefetch_ahead4, SFX)(ldw);
-#pragma omp parallel for schedule(static) if (N * K >= 32768)
-    for (int64_t p = 0; p < jobs; p++) {
+    const int ns = omp_get_max_threads();
+    struct job_slot s[ns]; /* the jobs, stolen as common.h's jobs_next says */
+    jobs_share(s, ns, jobs);
+#pragma omp parallel if (N * K >= 32768)
+    for (int64_t p; (p = jobs_next(s, omp_get_thread_num(), ns)) >= 0;) {
         const int64_t n0 = NJ * p;
         const int nw = N - n0 < NJ ? (int)(N - n0) : NJ;
         CAT(job_rows, SFX)(M, K, x, ldx, w + n0 * ldw, ldw, nw, y + n0, ldy, pf, pf4);
@@ -702,14 +705,17 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
     const int64_t jobs13 = (2 * F + NJ - 1) / NJ, jobs2 = (D + NJ - 1) / NJ;
     const int64_t pf13 = prefetch_ahead(D), pf2 = prefetch_ahead(F);
     const int64_t pf13q = CAT(prefetch_ahead4, SFX)(D), pf2q = CAT(prefetch_ahead4, SFX)(F);
+    const int ns = omp_get_max_threads();
+    struct job_slot up[ns], down[ns];
+    moe_jobs_share(up, ns, n_groups, count, jobs13);
+    moe_jobs_share(down, ns, n_groups, count, jobs2);
 #pragma omp parallel
     {
         /* contiguous shares of equal cost (balanced_first_job): each thread streams its own
-         * experts' weights, and the busiest experts do not all fall to one thread */
+         * experts' weights, and the busiest experts do not all fall to one thread; a thread
+         * done early takes the back half of what another has left (jobs_next) */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t lo13, end13;
-        moe_share(n_groups, count, jobs13, t, nt, &lo13, &end13);
-        for (int64_t job = lo13; job < end13; job++) {
+        for (int64_t job; (job = jobs_next(up, t, ns)) >= 0;) {
             const int64_t g = job / jobs13, n0 = NJ * (job % jobs13);
             const int nw = 2 * F - n0 < NJ ? (int)(2 * F - n0) : NJ;
             const WT *w0 = w13 + expert[g] * 2 * F * D + n0 * D;
@@ -717,9 +723,7 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
                                h + start[g] * 2 * F + n0, 2 * F, pf13, pf13q);
         }
         moe_activation_phase(n_groups, start, count, F, h, t, nt);
-        int64_t lo2, end2;
-        moe_share(n_groups, count, jobs2, t, nt, &lo2, &end2);
-        for (int64_t job = lo2; job < end2; job++) {
+        for (int64_t job; (job = jobs_next(down, t, ns)) >= 0;) {
             const int64_t g = job / jobs2, n0 = NJ * (job % jobs2);
             const int nw = D - n0 < NJ ? (int)(D - n0) : NJ;
             float *yg = y + start[g] * D + n0;

@@ -725,13 +725,15 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
                           const float *route_w, float *h, float *y) {
     const int64_t panels13 = (2 * F + PANEL - 1) / PANEL, panels2 = (D + PANEL - 1) / PANEL;
     const int64_t ng13 = D / G, ng2 = F / G; /* groups per row of each projection */
+    const int ns = omp_get_max_threads();
+    struct job_slot up[ns], down[ns];
+    moe_jobs_share(up, ns, n_groups, count, panels13);
+    moe_jobs_share(down, ns, n_groups, count, panels2);
 #pragma omp parallel
     {
-        /* contiguous shares of equal cost, as in fp32.c */
+        /* contiguous shares of equal cost, and stealing, as in fp32.c */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t lo13, end13;
-        moe_share(n_groups, count, panels13, t, nt, &lo13, &end13);
-        for (int64_t job = lo13; job < end13; job++) {
+        for (int64_t job; (job = jobs_next(up, t, ns)) >= 0;) {
             const int64_t g = job / panels13, n0 = (job % panels13) * PANEL, e = expert[g];
             const int64_t nr = 2 * F - n0 < PANEL ? 2 * F - n0 : PANEL, row = e * 2 * F + n0;
             CAT(panel_rows, SFX)(count[g], D, x + start[g] * D, D, q13 + row * (D / 2), D / 2,
@@ -739,9 +741,7 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
                                  h + start[g] * 2 * F + n0, 2 * F);
         }
         moe_activation_phase(n_groups, start, count, F, h, t, nt);
-        int64_t lo2, end2;
-        moe_share(n_groups, count, panels2, t, nt, &lo2, &end2);
-        for (int64_t job = lo2; job < end2; job++) {
+        for (int64_t job; (job = jobs_next(down, t, ns)) >= 0;) {
             const int64_t g = job / panels2, n0 = (job % panels2) * PANEL, e = expert[g];
             const int64_t nr = D - n0 < PANEL ? D - n0 : PANEL, row = e * D + n0;
             float *yg = y + start[g] * D + n0;

@@ -306,3 +306,38 @@ def test_reference_fallback_without_kernels(monkeypatch):
         from moeserve.ops.linear import linear  # the int4 format's dispatch
 
         torch.testing.assert_close(linear(x, w), want, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ROUNDING)
+def test_any_thread_count_gives_the_same_bits(level):
+    """The threads share the panels and the MoE jobs out by work stealing (common.h's
+    jobs_next): which thread runs a job must not change a bit of the result, with 1 to 3
+    threads and with a GEMM below the parallel threshold (one thread runs, the other slots
+    are stolen)."""
+    g = torch.Generator().manual_seed(7)
+    big, small = weights(520, 256, 64, "asymmetric", 1), weights(40, 128, 32, "codes", 2)
+    x_big, x_small = torch.randn(1, 256, generator=g), torch.randn(3, 128, generator=g)
+    counts, experts = [1, 2, 1, 3, 1], [4, 0, 3, 1, 2]
+    w13, w2 = _moe_weights(5, 128, 96, 32, "asymmetric", 3)
+    x_moe, weight = torch.randn(sum(counts), 128, generator=g), torch.rand(sum(counts), generator=g)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(
+                (
+                    int4.gemm_nt(x_big, big, level=level),
+                    int4.gemm_nt(x_small, small, level=level),
+                    int4.moe_experts(x_moe, experts, counts, w13, w2, weight, level),
+                )
+            )
+    finally:
+        torch.set_num_threads(before)
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            assert torch.equal(a, b)
+    assert_close(results[0][0], int4.linear_isa_ref(x_big, big, level), level)
+    want_moe = int4.moe_int4_ref(x_moe, experts, counts, w13, w2, weight, level)
+    assert_close(results[0][2], want_moe, level)
