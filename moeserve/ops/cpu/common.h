@@ -16,6 +16,8 @@
 
 /* a read prefetch of the line at p into every cache level */
 #define PREFETCH_T0(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+/* into L2 (and L3): the far half of a weight stream's two prefetches (int8.c, int4_idot.h) */
+#define PREFETCH_T1(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 
 /* the sum of v's 8 lanes (fp32.c, int8.c, int4.c) */
 static inline float hsum256(__m256 v) {
@@ -90,6 +92,7 @@ static inline void silu_mul_row(int64_t F, float *row) {
 #include <arm_neon.h>
 
 #define PREFETCH_T0(p) __builtin_prefetch((const void *)(p), 0, 3)
+#define PREFETCH_T1(p) __builtin_prefetch((const void *)(p), 0, 2)
 
 /* Two rows' 16 bytes at a and b as the matrix instructions (SMMLA, BFMMLA) take a pair of
  * rows: lo = [a's first 8 bytes | b's first 8], hi = [a's last 8 | b's last 8] */

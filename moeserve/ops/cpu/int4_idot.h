@@ -57,12 +57,17 @@
 #define XBLOCK (XP * 128) /* bytes of a rounded row per 128 columns */
 #define XROW_BYTES(K) (XBLOCK * (((K) + 127) / 128))
 #define XS_LD(ng) (((ng) + 7) / 8 * 8) /* group sums a rounded row, zero-padded to 8 */
-/* bytes ahead on each weight row. A decode step streams many short weights (a projection of
- * the benchmark model is 200-550 KB, a thread's share half that) and no prefetch covers the
- * first IPREFETCH bytes of each: 4096 against 16384 (the best on one 32000 x 1024 weight),
- * the benchmark model's projections 1.2-1.45x and its MoE call 1.06x alone (their weights in
- * the L3 cache), the decode step 1.02x (2 threads, Xeon with AMX) */
-#define IPREFETCH 4096
+/* Bytes ahead on each weight row: a prefetch into L1 IPREFETCH ahead and one into L2
+ * IPREFETCH_FAR ahead, per 64 bytes of codes. A decode step streams many short weights (a
+ * projection of the benchmark model is 200-550 KB, a thread's share half that): the one
+ * prefetch 16384 ahead (the best on one long 32000 x 1024 weight) left the first 16 KB of
+ * each to the hardware and its loads stalled on memory (perf: a third of the panel's time
+ * on the load of the codes). Measured in the engine (benchmark model, decode at batch 1, 2
+ * threads, Xeon with AMX; one process, 10 alternating rounds): one prefetch at 4096 1.02x
+ * the one at 16384, then L1 at 2048 with L2 at 8192 1.11x that (L1 1024-4096 with L2
+ * 4096-16384 within 2%). */
+#define IPREFETCH 2048
+#define IPREFETCH_FAR 8192
 
 static inline float hmax256(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -343,8 +348,10 @@ static inline __attribute__((always_inline)) void ICAT(idot_block, ISFX)(
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const II codes = ICODES(qr[r] + c0 / 2, n);
-            if ((c0 & 127) == 0)
-                _mm_prefetch((const char *)(qr[r] + c0 / 2 + IPREFETCH), _MM_HINT_T0);
+            if ((c0 & 127) == 0) {
+                PREFETCH_T0(qr[r] + c0 / 2 + IPREFETCH);
+                PREFETCH_T1(qr[r] + c0 / 2 + IPREFETCH_FAR);
+            }
             ul[r] = IAND(codes, low);
             uh[r] = IAND(ISRL4(codes), low);
             sv[r] = ISCALES(G, sr[r], c0, ng);

@@ -35,10 +35,13 @@
 #endif
 #ifndef PREFETCH
 #if defined(__x86_64__)
-/* bytes ahead on each weight row: the decode step's weights are short streams, whose first
- * PREFETCH bytes only the hardware's prefetcher fetches ahead (int4_idot.h's IPREFETCH):
- * 4096 against 8192, the benchmark model's decode step 1.02x (2 threads, Xeon with AMX) */
-#define PREFETCH 4096
+/* bytes ahead on each weight row, into L1, and (PREFETCH_FAR) into L2: a decode step's
+ * weights are short streams, whose start a single far prefetch leaves to the hardware
+ * (int4_idot.h's IPREFETCH). The benchmark model's decode step at batch 1 (2 threads, Xeon
+ * with AMX, one process, 10 alternating rounds): one prefetch at 4096 1.02x the one at 8192,
+ * then 2048 with 8192 into L2 1.12x that (4096 with 16384: 1.09x) */
+#define PREFETCH 2048
+#define PREFETCH_FAR 8192
 #else
 #define PREFETCH 8192 /* measured best of 0..16384 */
 #endif
@@ -53,6 +56,7 @@
 #define MBQ 6 /* rows converted in registers: 2 * 6 accumulators + 3 of 16 registers */
 #define MBF 6 /* rows per block over the converted chunk */
 #define HC_MB 2 /* head_gemm: 8 accumulators + 4 weights + 1 of 16 registers */
+#define HC1_VECS 8 /* head_gemm of one token row: vectors of outputs a job (accumulators) */
 #define SFX _avx2
 typedef __m256 vf_avx2;
 #define VF vf_avx2
@@ -73,6 +77,7 @@ typedef __m256 vf_avx2;
 #undef MBQ
 #undef MBF
 #undef HC_MB
+#undef HC1_VECS
 #undef SFX
 #undef VF
 #undef VZERO
@@ -94,6 +99,7 @@ typedef __m256 vf_avx2;
 #define MBQ 12 /* 24 accumulators + 3 of 32 registers */
 #define MBF 6  /* measured faster than 12 over the converted chunk */
 #define HC_MB 6 /* head_gemm: 24 accumulators + 4 weights + 1 of 32 registers */
+#define HC1_VECS 16
 #define SFX _avx512
 typedef __m512 vf_avx512;
 #define VF vf_avx512
@@ -206,6 +212,7 @@ void moeserve_int8_dequant(int64_t N, int64_t K, const int8_t *q, int64_t ldq,
 #define MBQ 12
 #define MBF 6
 #define HC_MB 6 /* head_gemm: 24 accumulators + 4 weights + 1 of 32 registers */
+#define HC1_VECS 16
 #include "arm_vec.h"
 #define VSTOREU(p, v) VSTORE(p, v) /* unaligned on both */
 #include "int8.c" /* this file: its body, for this ISA */
@@ -294,6 +301,10 @@ static inline __attribute__((always_inline)) void CAT(dot_block_q, SFX)(
     for (; k + 4 * W <= K; k += 4 * W) {
         PREFETCH_T0(q0 + k + PREFETCH);
         PREFETCH_T0(q1 + k + PREFETCH);
+#ifdef PREFETCH_FAR
+        PREFETCH_T1(q0 + k + PREFETCH_FAR);
+        PREFETCH_T1(q1 + k + PREFETCH_FAR);
+#endif
 #pragma GCC unroll 4
         for (int s = 0; s < 4; s++) {
             const int u = s & (U - 1);
@@ -398,7 +409,12 @@ static void CAT(panel_rows, SFX)(int64_t M, int64_t K, const float *x, int64_t l
         for (int64_t r = 0; r < rows; r++) {
             const int8_t *qr = q + r * ldq + k0;
             for (int64_t k = 0; k < kv; k += W) {
-                if (k % 64 == 0) PREFETCH_T0(qr + k + PREFETCH);
+                if (k % 64 == 0) {
+                    PREFETCH_T0(qr + k + PREFETCH);
+#ifdef PREFETCH_FAR
+                    PREFETCH_T1(qr + k + PREFETCH_FAR);
+#endif
+                }
                 VSTORE(buf[r] + k, VLOADQ(qr + k));
             }
         }
@@ -487,10 +503,77 @@ static void CAT(moe, SFX)(int64_t n_groups, const int64_t *expert, const int64_t
  * run in scalar code. */
 #define HC_VECS 4
 #define HC_BUF 16384 /* floats of a job's converted codes at most (64 KB) */
+#define HC1_AHEAD 4096 /* head_gemm1: bytes of rows ahead requested (a second, far one into
+                        * L2 as the GEMMs' did not help here) */
+
+/* head_gemm of one token row (a decode step at batch 1): a job is a head and a block of up
+ * to HC1_VECS vectors of outputs (the benchmark model's W_UK: a whole row, so a job streams
+ * a head's codes from end to end; head_gemm's jobs take 4 vectors, a quarter of each row),
+ * the rows HC1_AHEAD bytes ahead requested, the jobs shared out by work stealing.
+ * head_gemm's products and sums in the same order, so a row's outputs are the same bits at
+ * any M. The benchmark model's two products a layer (16 heads, 270 KB of codes each;
+ * called from Python, ~4.5 us of each the call's own): 19.9 and 19.0 -> 15.0 and 13.5 us;
+ * the decode step (int8) 1.02x. */
+static void CAT(head_gemm1, SFX)(int64_t Hh, int64_t N, int64_t K, const float *x,
+                                 int64_t sxh, const int8_t *q, int64_t sqh, int64_t ldq,
+                                 const float *s, int64_t g, int grouped_out, float *y,
+                                 int64_t syh) {
+    const int64_t J = grouped_out ? N / g : K / g; /* scale groups */
+    const int64_t span = W * (N / W < HC1_VECS ? (N + W - 1) / W : HC1_VECS);
+    const int64_t blocks = (N + span - 1) / span, ahead = (HC1_AHEAD + ldq - 1) / ldq;
+    const int ns = omp_get_max_threads();
+    struct job_slot jobs[ns];
+    jobs_share(jobs, ns, Hh * blocks);
+#pragma omp parallel if (Hh * N * K >= 65536)
+    for (int64_t job; (job = jobs_next(jobs, omp_get_thread_num(), ns)) >= 0;) {
+        const int64_t h = job / blocks, n0 = (job % blocks) * span;
+        const int64_t n1 = N - n0 < span ? N : n0 + span;
+        const int nv = grouped_out && g % W ? 0 : (int)((n1 - n0) / W); /* whole vectors */
+        const int8_t *qh = q + h * sqh;
+        const float *sh = s + h * J * (grouped_out ? K : N), *xh = x + h * sxh;
+        int64_t jv[HC1_VECS]; /* grouped_out: each vector's group */
+        for (int v = 0; v < HC1_VECS; v++) jv[v] = grouped_out ? (n0 + v * W) / g : 0;
+        VF acc[HC1_VECS];
+#pragma GCC unroll 16
+        for (int v = 0; v < HC1_VECS; v++) acc[v] = VZERO();
+        const float *sg = sh + n0; /* W_UV: the scales of row k's group (k / g) */
+        for (int64_t k = 0, left = g; k < K; k++) {
+            const int8_t *qr = qh + k * ldq + n0;
+            for (int64_t b = 0; b < nv * W; b += 64) PREFETCH_T0(qr + ahead * ldq + b);
+            const VF xb = VDUP(xh[k]);
+#pragma GCC unroll 16
+            for (int v = 0; v < HC1_VECS; v++) {
+                if (v < nv) {
+                    const VF sc = grouped_out ? VDUP(sh[k * J + jv[v]]) : VLOADU(sg + v * W);
+                    acc[v] = VFMA(xb, VMUL(VLOADQ(qr + v * W), sc), acc[v]);
+                }
+            }
+            if (--left == 0) { /* the next group of rows (no division in the loop) */
+                sg += N;
+                left = g;
+            }
+        }
+        float *yr = y + h * syh;
+        for (int v = 0; v < nv; v++) VSTOREU(yr + n0 + v * W, acc[v]);
+        for (int64_t n = n0 + nv * W; n < n1; n++) {
+            float a = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                const float sc = grouped_out ? sh[k * J + n / g] : sh[(k / g) * N + n];
+                a += xh[k] * ((float)qh[k * ldq + n] * sc);
+            }
+            yr[n] = a;
+        }
+    }
+}
+
 static void CAT(head_gemm, SFX)(int64_t Hh, int64_t M, int64_t N, int64_t K, const float *x,
                                 int64_t sxh, int64_t sxm, const int8_t *q, int64_t sqh,
                                 int64_t ldq, const float *s, int64_t g, int grouped_out,
                                 float *y, int64_t syh, int64_t sym) {
+    if (M == 1) {
+        CAT(head_gemm1, SFX)(Hh, N, K, x, sxh, q, sqh, ldq, s, g, grouped_out, y, syh);
+        return;
+    }
     const int64_t span = HC_VECS * W, blocks = (N + span - 1) / span;
     const int64_t J = grouped_out ? N / g : K / g; /* scale groups */
 #pragma omp parallel for schedule(static) if (Hh * N * K >= 65536)
@@ -566,5 +649,6 @@ static void CAT(head_gemm, SFX)(int64_t Hh, int64_t M, int64_t N, int64_t K, con
 }
 #undef HC_VECS
 #undef HC_BUF
+#undef HC1_AHEAD
 
 #endif /* INT8_BODY */

@@ -87,6 +87,24 @@ def test_kernel_matches_the_reference(R, C, g, transposed, avx512):
 @needs_kernels
 @pytest.mark.parametrize("avx512", ISAS)
 @pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("R,C,g", SHAPES)
+def test_a_row_alone_gives_its_bits_in_a_block(R, C, g, transposed, avx512):
+    """One token row (a decode step at batch 1: head_gemm1, whole rows of outputs a job) gives
+    the bits that row gets among others (head_gemm's blocks of token rows): a request's
+    outputs do not depend on its batch."""
+    H = 5  # more heads than threads, so jobs are stolen
+    q, s = codes(H, R, C, g, 3 * R + C)
+    w = HeadCodes.columns(q, s) if transposed else HeadCodes.rows(q, s)
+    x = torch.randn(H, 9, w.shape[2], generator=torch.Generator().manual_seed(R))
+    together = int8_heads.head_gemm_nt(x, w, avx512=avx512)
+    for m in (0, 4, 8):
+        alone = int8_heads.head_gemm_nt(x[:, m : m + 1].contiguous(), w, avx512=avx512)
+        assert torch.equal(alone, together[:, m : m + 1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("transposed", [False, True])
 def test_strided_rows_and_outputs_and_a_nan_row(transposed, avx512):
     """Token rows read and outputs written through head/row strides (the decode's layouts:
     ``q_nope [B, H, N]`` seen head-major, ``out [B, H, V]`` likewise); a nan row stays in its
