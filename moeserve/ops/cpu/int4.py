@@ -60,6 +60,9 @@ AVX2, AVX512, VNNI, AVX2_IDOT = 0, 1, 2, 3
 # or'ed into VNNI or AVX2_IDOT: the rows (and an MoE call's hidden) on their int8 grids first,
 # w4a8_int8's rounding (ops/cpu/int4_amx.py: its few-row calls)
 INT8_ROWS = 16
+# or'ed into the isa of a bound call whose weights' zero points are all 8 (symmetric, as
+# ``--quantization int4`` quantizes by default): the integer dots do not read them
+ZERO8 = 32
 XMAX = 32639  # int4_idot.h: the rounded rows' largest magnitude
 IDOT_MAX_ROWS = 256  # int4.c: the integer dots take fewer rows (an expert's, in an MoE call)
 
@@ -206,6 +209,13 @@ def w_args(w: Int4Tensor) -> tuple:
     return (w.q.data_ptr(), w.q.stride(0), w.scale.data_ptr(), w.zero.data_ptr(), w.group_size)
 
 
+def zero8(*ws: Int4Tensor) -> int:
+    """:data:`ZERO8` where every weight is symmetric and each of its zero points 8, else 0.
+    For a bound call: the flag holds while the bound tensors do, and a symmetric weight's
+    ``copy_`` and an expert moved between symmetric weights keep zero points of 8."""
+    return ZERO8 if all(w.symmetric and bool((w.zero == 8).all()) for w in ws) else 0
+
+
 def gemm_nt(
     x: torch.Tensor, w: Int4Tensor, out: torch.Tensor | None = None, level: int | None = None
 ) -> torch.Tensor:
@@ -246,7 +256,7 @@ def bind_gemm(w: Int4Tensor, fallback, max_rows: int = MAX_ROWS) -> BoundGemm | 
     fn = _library().moeserve_int4_gemm_nt_small
     bound = pointers(w.q, w.scale, w.zero)
     most = min(max_rows, MAX_ROWS)
-    return BoundGemm(fn, tuple(w.shape), w_args(w), most, isa(), bound, fallback)
+    return BoundGemm(fn, tuple(w.shape), w_args(w), most, isa() | zero8(w), bound, fallback)
 
 
 def dequantize_into(w: Int4Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -345,7 +355,7 @@ class BoundMoE:
         self.w_args = moe_w_args(w13, w2)
         self.pointers = pointers(*w13.parts(), *w2.parts())
         self.fn = _library().moeserve_int4_moe_small
-        self.isa = isa()
+        self.isa = isa() | zero8(w13, w2)
 
     @staticmethod
     def bind(w13: Int4Tensor, w2: Int4Tensor) -> BoundMoE | None:

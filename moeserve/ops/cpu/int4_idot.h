@@ -389,15 +389,21 @@ static inline __attribute__((always_inline)) void ICAT(idot_block, ISFX)(
 }
 
 /* All M rounded token rows against a panel of `rows` (<= PANEL) weight rows q + r * ldq with
- * their groups' scales and zero points at scale + r * K / G, zero + ...; y[i, r]. */
+ * their groups' scales and zero points at scale + r * K / G, zero + ... (zero NULL: every
+ * zero point 8, int4.c's ISA_ZERO8); y[i, r]. */
 static void ICAT(idot_panel, ISFX)(int64_t M, int64_t K, const int8_t *xq, const float *c,
                                    const float *xs, const uint8_t *q, int64_t ldq,
                                    const float *scale, const uint8_t *zero, int64_t G,
                                    int64_t rows, float *y, int64_t ldy) {
     const int64_t ng = K / G, xrow = XROW_BYTES(K);
-    prefetch_groups(scale + SCALE_AHEAD * ng, zero + SCALE_AHEAD * ng, PANEL * ng);
     float sz[PANEL * ng]; /* s * z of the panel's rows */
-    for (int64_t j = 0; j < rows * ng; j++) sz[j] = scale[j] * (float)zero[j];
+    if (zero) {
+        prefetch_groups(scale + SCALE_AHEAD * ng, zero + SCALE_AHEAD * ng, PANEL * ng);
+        for (int64_t j = 0; j < rows * ng; j++) sz[j] = scale[j] * (float)zero[j];
+    } else { /* every zero point 8 (ISA_ZERO8) */
+        for (int64_t j = 0; j < PANEL * ng; j += 16) PREFETCH_T0(scale + SCALE_AHEAD * ng + j);
+        for (int64_t j = 0; j < rows * ng; j++) sz[j] = scale[j] * 8.0f;
+    }
     if (M == 1) {
         /* the weight rows one at a time: each thread reads one sequential stream (measured
          * with AVX-512, 2 threads, 32000 x 1024 from memory: ~1.3x four rows at a time) */
@@ -431,7 +437,8 @@ static void ICAT(idot_panel, ISFX)(int64_t M, int64_t K, const int8_t *xq, const
 
 /* y = x @ w^T for M token rows on the integer dots: the rows rounded once (split among the
  * threads; grid8: to their int8 grids first), then the threads share out panels of PANEL
- * weight rows. -1 when the scratch cannot be allocated (nothing computed). */
+ * weight rows (zero NULL: every zero point 8). -1 when the scratch cannot be allocated
+ * (nothing computed). */
 static int ICAT(gemm_idot, ISFX)(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
                                  const uint8_t *q, int64_t ldq, const float *scale,
                                  const uint8_t *zero, int64_t G, float *y, int64_t ldy,
@@ -456,7 +463,7 @@ static int ICAT(gemm_idot, ISFX)(int64_t M, int64_t N, int64_t K, const float *x
         for (int64_t p; (p = jobs_next(s, th, ns)) >= 0;) {
             const int64_t n0 = p * PANEL, rows = N - n0 < PANEL ? N - n0 : PANEL;
             ICAT(idot_panel, ISFX)(M, K, t.xq, t.c, t.xs, q + n0 * ldq, ldq, scale + n0 * ng,
-                                   zero + n0 * ng, G, rows, y + n0, ldy);
+                                   zero ? zero + n0 * ng : NULL, G, rows, y + n0, ldy);
         }
     }
     return 0;
@@ -472,7 +479,7 @@ static void ICAT(idot_moe_up, ISFX)(const struct moe_rounded *c, int64_t g, int6
     const int64_t row = m->expert[g] * 2 * F + n0;
     ICAT(idot_panel, ISFX)(c->count[g], D, r->xq + j * XROW_BYTES(D), r->c + j,
                            r->xs + j * XS_LD(ng), m->q13 + row * (D / 2), D / 2,
-                           m->s13 + row * ng, m->z13 + row * ng, m->G, nr,
+                           m->s13 + row * ng, m->z13 ? m->z13 + row * ng : NULL, m->G, nr,
                            c->h + j * 2 * F + n0, 2 * F);
 }
 
@@ -485,12 +492,14 @@ static void ICAT(idot_moe_down, ISFX)(const struct moe_rounded *c, int64_t g, in
     const int64_t row = m->expert[g] * D + n0;
     ICAT(idot_panel, ISFX)(c->count[g], F, r->xq + j * XROW_BYTES(F), r->c + j,
                            r->xs + j * XS_LD(ng), m->q2 + row * (F / 2), F / 2,
-                           m->s2 + row * ng, m->z2 + row * ng, m->G, nr, c->y + j * D + n0, D);
+                           m->s2 + row * ng, m->z2 ? m->z2 + row * ng : NULL, m->G, nr,
+                           c->y + j * D + n0, D);
 }
 
 /* int4.c's moe body on the integer dots (common.h's moe_rounded_run in panels): the groups'
  * rows rounded once, the hidden after its activation too (grid8: the rows and the hidden on
- * their int8 grids first). -1 when the scratch cannot be allocated (nothing computed). */
+ * their int8 grids first; z13 and z2 NULL: every zero point 8). -1 when the scratch cannot
+ * be allocated (nothing computed). */
 static int ICAT(moe_idot, ISFX)(int64_t n_groups, const int64_t *expert, const int64_t *start,
                                 const int64_t *count, int64_t D, int64_t F, const float *x,
                                 const uint8_t *q13, const float *s13, const uint8_t *z13,

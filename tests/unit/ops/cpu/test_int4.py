@@ -341,3 +341,38 @@ def test_any_thread_count_gives_the_same_bits(level):
     assert_close(results[0][0], int4.linear_isa_ref(x_big, big, level), level)
     want_moe = int4.moe_int4_ref(x_moe, experts, counts, w13, w2, weight, level)
     assert_close(results[0][2], want_moe, level)
+
+
+@needs_kernels
+def test_zero_points_of_8_are_not_read():
+    """A bound call on symmetric weights whose zero points are all 8 flags its isa
+    (``ZERO8``): the integer dots take 8 without reading them. Shown with the flag and zero
+    points of 3: the dots give the result of 8, any other form reads the 3s. The bound calls
+    set the flag only for symmetric weights of zero points 8 (one 7, or an asymmetric weight:
+    no flag)."""
+    w = weights(40, 256, 64, "symmetric", 5)
+    assert bool((w.zero == 8).all()) and int4.zero8(w) == int4.ZERO8
+    off = Int4Tensor(w.q, w.scale, torch.full_like(w.zero, 3))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    for level in ISAS:
+        got = int4.gemm_nt(x, off, level=level | int4.ZERO8)
+        want = off if level not in ROUNDING else w
+        assert_close(got, int4.linear_isa_ref(x, want, level), level)
+    odd = Int4Tensor(w.q, w.scale, w.zero.clone())
+    odd.zero[5, 1] = 7
+    assert int4.zero8(odd) == 0
+    assert int4.zero8(Int4Tensor(w.q, w.scale, w.zero, symmetric=False)) == 0
+    assert int4.zero8(w, odd) == 0
+    for weight in (w, odd):  # bound: the flag where it holds, the zero points read where not
+        bound = int4.bind_gemm(weight, lambda x: None)
+        assert bound.wide == int4.isa() | int4.zero8(weight)
+        assert_close(bound(x), int4.linear_isa_ref(x, weight), int4.isa())
+    E, D, Fd, G = 4, 128, 64, 64
+    w13, w2 = _moe_weights(E, D, Fd, G, "symmetric", 6)
+    bound_moe = int4.BoundMoE.bind(w13, w2)
+    assert bound_moe.isa == int4.isa() | int4.ZERO8
+    buffers = MoEBuffers.empty(6, D, Fd, E)
+    bound_moe.prepare(buffers)
+    experts, counts, G_ = fill_routing(buffers, E, torch.Generator().manual_seed(6))
+    want = int4.moe_int4_ref(buffers.x_sorted, experts, counts, w13, w2, buffers.weight)
+    assert_close(bound_moe.run(G_), want, int4.isa())
