@@ -210,9 +210,13 @@ def w_args(w: Int4Tensor) -> tuple:
 
 
 def zero8(*ws: Int4Tensor) -> int:
-    """:data:`ZERO8` where every weight is symmetric and each of its zero points 8, else 0.
-    For a bound call: the flag holds while the bound tensors do, and a symmetric weight's
-    ``copy_`` and an expert moved between symmetric weights keep zero points of 8."""
+    """:data:`ZERO8` where every weight is symmetric and each of its zero points 8, else 0
+    (and with ``MOESERVE_INT4_ZERO8=0``: the zero points read as before, e.g. to run kernels
+    older than the flag, ``benchmarks/kernel_ab.py``). For a bound call: the flag holds while
+    the bound tensors do, and a symmetric weight's ``copy_`` and an expert moved between
+    symmetric weights keep zero points of 8."""
+    if os.environ.get("MOESERVE_INT4_ZERO8", "1") == "0":
+        return 0
     return ZERO8 if all(w.symmetric and bool((w.zero == 8).all()) for w in ws) else 0
 
 

@@ -344,7 +344,7 @@ def test_any_thread_count_gives_the_same_bits(level):
 
 
 @needs_kernels
-def test_zero_points_of_8_are_not_read():
+def test_zero_points_of_8_are_not_read(monkeypatch):
     """A bound call on symmetric weights whose zero points are all 8 flags its isa
     (``ZERO8``): the integer dots take 8 without reading them. Shown with the flag and zero
     points of 3: the dots give the result of 8, any other form reads the 3s. The bound calls
@@ -363,6 +363,9 @@ def test_zero_points_of_8_are_not_read():
     assert int4.zero8(odd) == 0
     assert int4.zero8(Int4Tensor(w.q, w.scale, w.zero, symmetric=False)) == 0
     assert int4.zero8(w, odd) == 0
+    monkeypatch.setenv("MOESERVE_INT4_ZERO8", "0")
+    assert int4.zero8(w) == 0
+    monkeypatch.delenv("MOESERVE_INT4_ZERO8")
     for weight in (w, odd):  # bound: the flag where it holds, the zero points read where not
         bound = int4.bind_gemm(weight, lambda x: None)
         assert bound.wide == int4.isa() | int4.zero8(weight)
