@@ -173,10 +173,11 @@ static inline void scale_neg_zero(int64_t n, const uint8_t *zero, const float *s
     }
 }
 
-/* the n scales and zero points at scale and zero into L1 */
+/* the n scales and zero points at scale and zero into L1 (zero NULL: the scales alone) */
 static inline void prefetch_groups(const float *scale, const uint8_t *zero, int64_t n) {
     for (int64_t j = 0; j < n; j += 16) _mm_prefetch((const char *)(scale + j), _MM_HINT_T0);
-    for (int64_t j = 0; j < n; j += 64) _mm_prefetch((const char *)(zero + j), _MM_HINT_T0);
+    for (int64_t j = 0; zero && j < n; j += 64)
+        _mm_prefetch((const char *)(zero + j), _MM_HINT_T0);
 }
 
 /* ---- AVX2 + FMA: 8 lanes, a run in two halves of 8 bytes ---- */

@@ -396,14 +396,12 @@ static void ICAT(idot_panel, ISFX)(int64_t M, int64_t K, const int8_t *xq, const
                                    const float *scale, const uint8_t *zero, int64_t G,
                                    int64_t rows, float *y, int64_t ldy) {
     const int64_t ng = K / G, xrow = XROW_BYTES(K);
+    prefetch_groups(scale + SCALE_AHEAD * ng, zero ? zero + SCALE_AHEAD * ng : NULL, PANEL * ng);
     float sz[PANEL * ng]; /* s * z of the panel's rows */
-    if (zero) {
-        prefetch_groups(scale + SCALE_AHEAD * ng, zero + SCALE_AHEAD * ng, PANEL * ng);
+    if (zero)
         for (int64_t j = 0; j < rows * ng; j++) sz[j] = scale[j] * (float)zero[j];
-    } else { /* every zero point 8 (ISA_ZERO8) */
-        for (int64_t j = 0; j < PANEL * ng; j += 16) PREFETCH_T0(scale + SCALE_AHEAD * ng + j);
+    else /* every zero point 8 (ISA_ZERO8) */
         for (int64_t j = 0; j < rows * ng; j++) sz[j] = scale[j] * 8.0f;
-    }
     if (M == 1) {
         /* the weight rows one at a time: each thread reads one sequential stream (measured
          * with AVX-512, 2 threads, 32000 x 1024 from memory: ~1.3x four rows at a time) */

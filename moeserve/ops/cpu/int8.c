@@ -49,6 +49,22 @@
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
+/* head_gemm's outputs [n0, n1) of one token row xr in scalar code (the outputs past the last
+ * whole vector, and a grouped_out whose groups split a vector): the codes qh (rows ldq
+ * apart) times their scales sh (J groups; see head_gemm) */
+static void head_scalar(int64_t n0, int64_t n1, int64_t N, int64_t K, const float *xr,
+                        const int8_t *qh, int64_t ldq, const float *sh, int64_t J, int64_t g,
+                        int grouped_out, float *yr) {
+    for (int64_t n = n0; n < n1; n++) {
+        float a = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const float sc = grouped_out ? sh[k * J + n / g] : sh[(k / g) * N + n];
+            a += xr[k] * ((float)qh[k * ldq + n] * sc);
+        }
+        yr[n] = a;
+    }
+}
+
 #if defined(__x86_64__)
 /* ---- AVX2 + FMA: 8 lanes, blocks of 6 rows (12 accumulators of 16 registers) ---- */
 #define INT8_BODY
@@ -555,14 +571,7 @@ static void CAT(head_gemm1, SFX)(int64_t Hh, int64_t N, int64_t K, const float *
         }
         float *yr = y + h * syh;
         for (int v = 0; v < nv; v++) VSTOREU(yr + n0 + v * W, acc[v]);
-        for (int64_t n = n0 + nv * W; n < n1; n++) {
-            float a = 0.0f;
-            for (int64_t k = 0; k < K; k++) {
-                const float sc = grouped_out ? sh[k * J + n / g] : sh[(k / g) * N + n];
-                a += xh[k] * ((float)qh[k * ldq + n] * sc);
-            }
-            yr[n] = a;
-        }
+        head_scalar(n0 + nv * W, n1, N, K, xh, qh, ldq, sh, J, g, grouped_out, yr);
     }
 }
 
@@ -635,14 +644,8 @@ static void CAT(head_gemm, SFX)(int64_t Hh, int64_t M, int64_t N, int64_t K, con
             for (int i = 0; i < mb; i++) {
                 float *yr = y + h * syh + (m0 + i) * sym;
                 for (int v = 0; v < nv; v++) VSTOREU(yr + n0 + v * W, acc[i][v]);
-                for (int64_t n = n0 + nv * W; n < n1; n++) {
-                    float a = 0.0f;
-                    for (int64_t k = 0; k < K; k++) {
-                        const float sc = grouped_out ? sh[k * J + n / g] : sh[(k / g) * N + n];
-                        a += xh[(m0 + i) * sxm + k] * ((float)qh[k * ldq + n] * sc);
-                    }
-                    yr[n] = a;
-                }
+                head_scalar(n0 + nv * W, n1, N, K, xh + (m0 + i) * sxm, qh, ldq, sh, J, g,
+                            grouped_out, yr);
             }
         }
     }
