@@ -18,7 +18,10 @@ from torch import nn
 
 from moeserve.distributed.groups import Axis
 from moeserve.models.weights import WeightSpec
-from moeserve.ops.linear import linear
+from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu.bound import Guard, calls_guard
+from moeserve.ops.cpu.mlp_decode import GatedMLPDecodeCalls
+from moeserve.ops.linear import bind_gated_mlp_decode, linear
 
 _SINGLE = Axis.single("tp")
 
@@ -143,7 +146,11 @@ class RowParallelLinear(Linear):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up are fused into one ``[2F, D]`` weight.
+    """down(silu(gate(x)) * up(x)); gate and up are fused into one ``[2F, D]`` weight. Few
+    fp32 rows (decode) run as three prebound kernel calls (``ops/cpu/mlp_decode.py``; the
+    activation is the MoE kernels', within a few ulps of ``F.silu``'s); more rows run the
+    projections through their format and the same activation in place. Where the calls do
+    not apply (no kernels, switched off) the submodules and ``F.silu`` run: the reference.
 
     Tensor-parallel over ``tp``: each rank holds F / tp of gate and of up (a column split) and
     the matching columns of down (a row split). With ``reduce=False`` the output is this rank's
@@ -164,10 +171,56 @@ class GatedMLP(nn.Module):
         self.intermediate = split_size(intermediate, tp, "FFN")
         self.gate_up_proj = Linear(hidden, 2 * self.intermediate, dtype=dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp, dtype=dtype, reduce=reduce)
+        # few rows' prebound kernel calls (bound on first use; False: switched off)
+        self._decode_calls: GatedMLPDecodeCalls | bool | None = None
+
+    def use_decode_calls(self, enabled: bool = True) -> None:
+        """Run few rows through the prebound kernel calls (bound again on the next call), or,
+        not ``enabled``, through the submodules in torch (what hooks on them see; the
+        reference)."""
+        self._decode_calls = None if enabled else False
+
+    def decode_calls(self) -> GatedMLPDecodeCalls | None:
+        """The prebound calls (``ops/cpu/mlp_decode.py``), bound again where a weight moved;
+        None where they do not apply or are switched off."""
+        calls = self._decode_calls
+        w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
+        if calls is None or (calls and not calls.fresh(w13, w2)):
+            calls = self._decode_calls = bind_gated_mlp_decode(w13, w2) or False
+        return calls or None
+
+    def whole_decode_calls(self) -> GatedMLPDecodeCalls | None:
+        """:meth:`decode_calls` where they compute the whole output (no all-reduce after):
+        what the decode stack may run in the module's place."""
+        return None if self.tp.size > 1 else self.decode_calls()
+
+    def decode_guard(self) -> Guard:
+        """What :meth:`whole_decode_calls` checks, as a guard (``ops/cpu/bound.py``): it holds
+        while that would return the calls it returned last, bound to the same rows."""
+        calls = self._decode_calls
+        same = [(self, "tp", self.tp), (self, "_decode_calls", calls)]
+        if not calls:
+            return Guard(same)
+        up, down = self.gate_up_proj, self.down_proj
+        same += [(self, "gate_up_proj", up), (up, "weight", calls.gate_up.w)]
+        same += [(self, "down_proj", down), (down, "weight", calls.down.w)]
+        return calls_guard(calls, same)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        calls = self.decode_calls()
+        y = None if calls is None else calls(x)  # None: rows the kernels do not take
+        if y is None:
+            h = self.gate_up_proj(x)
+            # the calls' activation where it applies (a prefill's rows: a few rows of a
+            # prompt computed here or there, as a prefix-cache hit splits them, round alike)
+            a = None if calls is None else fp32_kernels.silu_mul(h)
+            if a is None:
+                gate, up = h.split(self.intermediate, dim=-1)
+                a = F.silu(gate) * up
+            return self.down_proj(a)
+        if self.down_proj.reduce:
+            self.tp.all_reduce(y)
+        return y
 
     def weight_specs(self, prefix: str) -> dict[str, WeightSpec]:
         w = self.gate_up_proj.weight

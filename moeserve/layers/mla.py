@@ -31,6 +31,7 @@ from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
 from moeserve.ops.cpu import attention as cpu_attention
 from moeserve.ops.cpu import rope as rope_kernels
+from moeserve.ops.cpu.bound import Guard, calls_guard
 from moeserve.ops.cpu.mla_decode import MLADecodeCalls
 from moeserve.ops.mla import absorbed_weights, bind_mla_decode, head_gemm
 from moeserve.ops.prefill_attention import causal_attention_parts
@@ -99,6 +100,17 @@ class MLAttention(nn.Module):
         if calls is None or (calls and not calls.fresh(*self._bound_tensors())):
             calls = self._decode_calls = self._bind_decode()
         return calls or None
+
+    def decode_guard(self) -> Guard:
+        """What :meth:`decode_calls` checks, as a guard (``ops/cpu/bound.py``): it holds while
+        :meth:`decode_calls` would return the calls it returned last, bound to the same
+        rows."""
+        calls = self._decode_calls
+        same = [(self, "_decode_calls", calls)]
+        if not calls:
+            return Guard(same)
+        same += [(self, "kv_cache", calls.cache), (self, "w_uk_HCN", calls.w.uk.w)]
+        return calls_guard(calls, [*same, (self, "w_uv_HVC", calls.w.uv.w)])
 
     def _bind_decode(self) -> MLADecodeCalls | bool:
         """The prebound decode calls of this layer, or False where they do not apply."""

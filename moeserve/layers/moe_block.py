@@ -32,6 +32,7 @@ from moeserve.layers.linear import GatedMLP, Linear
 from moeserve.layers.moe import FusedExperts, Router
 from moeserve.models.hf_config import ModelConfig
 from moeserve.models.weights import WeightSpec
+from moeserve.ops.cpu.bound import Guard, calls_guard
 from moeserve.ops.cpu.moe_decode import GroupedRouting, MoEDecodeCalls
 from moeserve.ops.moe import bind_moe_decode
 
@@ -194,6 +195,16 @@ class MoEBlock(nn.Module):
         if self.shared is not None or self.tp.size > 1:
             return None
         return self.decode_calls()
+
+    def decode_guard(self) -> Guard:
+        """What :meth:`whole_decode_calls` checks, as a guard (``ops/cpu/bound.py``): it holds
+        while that would return the calls it returned last, bound to the same rows."""
+        calls = self._decode_calls
+        same = [(self, "shared", self.shared), (self, "tp", self.tp)]
+        same.append((self, "_decode_calls", calls))
+        if not calls:
+            return Guard(same)
+        return calls_guard(calls, [*same, (self, "expert_counts_E", calls.counts)])
 
     def _bind_decode(self) -> MoEDecodeCalls | bool:
         """The routed experts of a decode step (few rows, no EP, DeepSeek's sigmoid routing)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.ops.cpu import fp32 as fp32_kernels
+from moeserve.ops.cpu.bound import Guard
 
 
 class RMSNorm(nn.Module):
@@ -38,6 +39,13 @@ class RMSNorm(nn.Module):
         (the caller then runs ``F.rms_norm``, the reference)."""
         k = self.bound()
         return None if k is None else k(x, out)
+
+    def bound_guard(self) -> Guard:
+        """What :meth:`bound` checks, as a guard (``ops/cpu/bound.py``): it holds while
+        :meth:`bound` would return the kernel it returned last."""
+        k = self._kernel
+        same = ((self, "_kernel", k), (self, "weight", self.weight))
+        return Guard(same, () if k is None else ((k.weight, k.ptr),))
 
     def bound(self) -> fp32_kernels.BoundRMSNorm | None:
         """The kernel with this norm's weight bound (bound again where the weight was replaced

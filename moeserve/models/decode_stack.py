@@ -10,7 +10,8 @@ buffers of :class:`~moeserve.ops.cpu.residual.ResidualRows`::
     for each layer i:
         y = attention(x)        MLADecodeCalls' calls, bound to x and y; else the module
         h += y; x = norm2_i(h)                                    one call
-        y = mlp(x)              MoEDecodeCalls' calls, bound to x and y; else the module
+        y = mlp(x)              MoEDecodeCalls' or GatedMLPDecodeCalls' calls, bound to x
+                                and y; else the module
         h += y; x = norm1_i+1(h)                                  one call (no norm after the last)
 
 The bound calls of consecutive sublayers form one call chain (``ops/cpu/chain.py``), made
@@ -19,7 +20,7 @@ registers; a sublayer that runs as its module (a dense MLP, another attention, E
 switched off by ``use_decode_calls(False)``) or from Python (experts whose ``run`` is more
 than one call) sits between two chains. The program is made once and again only when a
 layer's calls, a norm, the row count or a call's buffers change. The benchmark model's step
-is two chains around layer 0's dense MLP.
+is one chain (its dense first layer's MLP included).
 
 The numbers are the layers', bit for bit: the same kernels in the same order (the adds are
 torch's, one rounding each). What it saves is the Python and torch around the kernels: after
@@ -43,6 +44,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from moeserve.layers.attention_meta import AttentionMetadata
+from moeserve.ops.cpu.bound import Guard
 from moeserve.ops.cpu.chain import NEGATIVE, CallChain, ChainError, Register
 from moeserve.ops.cpu.mla_decode import steps_ok
 from moeserve.ops.cpu.residual import ResidualRows
@@ -67,11 +69,22 @@ class DecodeStack:
         ]
         self._attn = [getattr(layer.self_attn, "decode_calls", None) for layer in self.layers]
         self._mlp = [getattr(layer.mlp, "whole_decode_calls", None) for layer in self.layers]
+        # what the calls above check (decode_guard), for all layers at once: sublayers
+        # without calls always run as modules and have nothing to check
+        self._guards = [
+            m.decode_guard
+            for layer in self.layers
+            for m in (layer.self_attn, layer.mlp)
+            if hasattr(m, "decode_guard")
+        ]
         self.rows: ResidualRows | None = None
         # the step's program (_program) and what it was made for
         self._key: tuple | None = None
         self._bound: list = []
         self._parts: list = []
+        self._mlps: list = []
+        # holds while nothing the last step's checks saw has changed (ops/cpu/bound.py)
+        self._guard: Guard | None = None
 
     def hooked(self) -> bool:
         """Whether a forward hook would miss a call the stack skips."""
@@ -93,20 +106,17 @@ class DecodeStack:
         step = meta.decode_kernel_args
         if step is None or not steps_ok(positions_T, slots_T) or self.hooked():
             return None
-        norms = []
-        for layer in self.layers:
-            norms += [layer.input_layernorm.bound(), layer.post_attention_layernorm.bound()]
-        if None in norms:
-            return None
-        norms.append(None)  # after the last layer: the add alone
         r = self.rows
         if r is None or r.T != T or r.D != h_TD.shape[1]:
             r = self.rows = ResidualRows(T, h_TD.shape[1])
-        # every layer's calls, checked against their tensors now, in one loop that stays in
-        # cache (between two weight streams each check cost ~20 us, ~0.4 ms a step)
-        attns = [None if f is None else f() for f in self._attn]
-        mlps = [None if f is None else f() for f in self._mlp]
-        program = self._program(attns, mlps, norms, r)
+            self._guard = None
+        if self._guard is not None and self._guard.holds():
+            program, mlps = self._parts, self._mlps  # nothing changed since the last step
+        else:
+            made = self._make(r)
+            if made is None:
+                return None
+            program, mlps = made
         r.h.copy_(h_TD)
         registers = (positions_T.data_ptr(), slots_T.data_ptr(), *step)
         for part in program:
@@ -123,6 +133,28 @@ class DecodeStack:
             else:
                 _run(part, registers)
         return r.h.clone()
+
+    def _make(self, r: ResidualRows) -> tuple[list, list] | None:
+        """Every layer's norms and calls checked against their tensors (each layer's own
+        checks), the step's program made again where they changed, and the guard that says
+        next step whether anything did: ``(program, MLP calls)``; None where a norm has no
+        kernel."""
+        self._guard = None
+        norms = [m.bound() for layer in self.layers for m in self._norms(layer)]
+        if None in norms:
+            return None
+        norms.append(None)  # after the last layer: the add alone
+        attns = [None if f is None else f() for f in self._attn]
+        mlps = [None if f is None else f() for f in self._mlp]
+        program = self._program(attns, mlps, norms, r)
+        guards = [m.bound_guard() for layer in self.layers for m in self._norms(layer)]
+        guards += [f() for f in self._guards]
+        self._guard, self._mlps = Guard.join(guards), mlps
+        return program, mlps
+
+    @staticmethod
+    def _norms(layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+        return layer.input_layernorm, layer.post_attention_layernorm
 
     def _program(self, attns: list, mlps: list, norms: list, r: ResidualRows) -> list:
         """The step as call chains and the sublayers between them that run from Python; made

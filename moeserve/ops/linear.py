@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.ops import formats
+from moeserve.ops.cpu.mlp_decode import GatedMLPDecodeCalls
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,3 +49,10 @@ class BoundLinear:
             y = linear(x, self.w)
             return y if out is None else out.copy_(y)
         return self.kernel(x, out)  # checks the rows, and falls back to linear itself
+
+
+def bind_gated_mlp_decode(w13, w2) -> GatedMLPDecodeCalls | None:
+    """A gated MLP's decode step (gate/up weight ``w13 [2F, D]``, down ``w2 [D, F]``, each
+    bound by its format) as prebound kernel calls (``ops/cpu/mlp_decode.py``); None where
+    they do not apply."""
+    return GatedMLPDecodeCalls.bind(BoundLinear(w13), BoundLinear(w2))

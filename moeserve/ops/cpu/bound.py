@@ -12,11 +12,14 @@ owner can see a moved weight (``p.data`` replaced, huge pages) and bind again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import repeat
+from operator import is_
 from typing import Protocol
 
 import torch
+from torch import nn
 
 Pointers = tuple[tuple[torch.Tensor, int], ...]
 
@@ -24,6 +27,87 @@ Pointers = tuple[tuple[torch.Tensor, int], ...]
 def pointers(*tensors: torch.Tensor) -> Pointers:
     """Each tensor with its current address."""
     return tuple((t, t.data_ptr()) for t in tensors)
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+class Guard:
+    """What the owner of prebound calls checks before it uses them again, as flat lists one
+    check covers for many owners: each ``(obj, name, value)`` of ``same`` says attribute
+    ``name`` of ``obj`` must still be ``value`` (the same object, read where it lived when
+    the guard was made: ``obj.__dict__`` or a module's registry of parameters, buffers or
+    submodules; gone from there, the guard fails), each tensor of ``bound`` must still be at
+    its address.
+
+    The decode stack checks every layer's at once (``models/decode_stack.py``): between two
+    weight streams the caches are cold, and the layers' own checks one by one
+    (``decode_calls()``, ``bound()``: a method call, ``nn.Module.__getattr__`` and a
+    generator each) took ~0.22 ms a step of the benchmark model at int4, :meth:`holds`
+    ~0.1 ms (its loops in C, ``map``; what is left is mostly cache misses on the ~320
+    tensors)."""
+
+    __slots__ = ("objs", "names", "values", "dicts", "tensors", "ptrs")
+
+    def __init__(self, same: Iterable[tuple[object, str, object]] = (), bound: Pointers = ()):
+        same = tuple(same)
+        self.objs = [o for o, _, _ in same]
+        self.names = [n for _, n, _ in same]
+        self.values = [v for _, _, v in same]
+        # where each attribute lives: the object's __dict__, or the registry of a module's
+        # parameters, buffers or submodules (read there, without nn.Module.__getattr__)
+        self.dicts = list(map(_home, self.objs, self.names))
+        seen: set[tuple[int, int]] = set()
+        self.tensors: list[torch.Tensor] = []
+        self.ptrs: list[int] = []
+        for t, p in bound:  # a tensor many calls read (the rope tables) checked once
+            if (id(t), p) not in seen:
+                seen.add((id(t), p))
+                self.tensors.append(t)
+                self.ptrs.append(p)
+
+    @staticmethod
+    def join(guards: Iterable[Guard]) -> Guard:
+        """One guard that holds where each of ``guards`` holds."""
+        g = Guard()
+        for h in guards:
+            g.objs += h.objs
+            g.names += h.names
+            g.values += h.values
+            g.tensors += h.tensors
+            g.ptrs += h.ptrs
+        return Guard(zip(g.objs, g.names, g.values), tuple(zip(g.tensors, g.ptrs)))
+
+    def holds(self) -> bool:
+        """Whether every attribute is still its recorded object and every tensor at its
+        address (an attribute gone: False)."""
+        got = map(dict.get, self.dicts, self.names, repeat(_GONE))
+        return all(map(is_, got, self.values)) and list(map(_DATA_PTR, self.tensors)) == self.ptrs
+
+
+_GONE = object()  # what Guard.holds reads for an attribute no longer where it lived
+
+
+def _home(obj: object, name: str) -> dict:
+    """The dict that holds attribute ``name`` of ``obj`` now (``obj.__dict__`` for plain
+    attributes, ``_parameters``, ``_buffers`` or ``_modules`` for a module's registered
+    ones). Raises AttributeError where there is none."""
+    if name in obj.__dict__:
+        return obj.__dict__
+    if isinstance(obj, nn.Module):
+        for d in (obj._parameters, obj._buffers, obj._modules):
+            if name in d:
+                return d
+    raise AttributeError(f"{type(obj).__name__} has no attribute {name!r} to guard")
+
+
+def calls_guard(calls, same: Iterable[tuple[object, str, object]] = ()) -> Guard:
+    """The guard of decode calls (``mla_decode``, ``moe_decode``, ``mlp_decode``) that their
+    owner binds, ``same`` being the owner's attributes its ``decode_calls()`` compares:
+    besides those, the calls still bound to the same rows (``raw_rows``: made again by
+    ``rows()``, emptied when another row count prepares new buffers) and every bound tensor
+    at its address."""
+    return Guard((*same, (calls, "raw_rows", calls.raw_rows)), calls.pointers)
 
 
 def on_cpu_contiguous(*tensors: torch.Tensor) -> bool:

@@ -416,6 +416,16 @@ void moeserve_add_rms_norm(int64_t rows, int64_t D, float *h, int64_t ldh, const
     }
 }
 
+/* A gated MLP's activation for the rows of its hidden [gate F | up F] (rows ldh apart):
+ * h[r, f] = silu(gate) * up for f < F, written over the gate half (common.h: silu_mul_row,
+ * the MoE kernels' form). Rows over the threads from SILU_PARALLEL elements (a prefill's
+ * hidden); a decode step's few rows in the calling thread (waking threads would cost more). */
+#define SILU_PARALLEL 65536
+void moeserve_silu_mul(int64_t rows, int64_t F, float *h, int64_t ldh) {
+#pragma omp parallel for schedule(static) if (rows * F >= SILU_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(F, h + r * ldh);
+}
+
 /* DeepSeek-V3 routing for few rows (the reference is ops/routing.py: route_grouped_sigmoid):
  * scores = sigmoid(logits); choice = scores + bias; keep the topk_group groups whose two best
  * choice values sum highest; take the top_k choices among them (first index on ties);

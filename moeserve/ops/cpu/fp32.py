@@ -72,6 +72,7 @@ def _library() -> ctypes.CDLL | None:
         )
     build.declare(lib, "moeserve_rms_norm", I64, I64, PTR, I64, PTR, F32, PTR, I64)
     build.declare(lib, "moeserve_add_rms_norm", I64, I64, PTR, I64, PTR, I64, PTR, F32, PTR, I64)
+    build.declare(lib, "moeserve_silu_mul", I64, I64, PTR, I64)
     build.declare(
         lib,
         "moeserve_route_grouped_sigmoid",
@@ -349,6 +350,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     bound = BoundRMSNorm.bind(weight, eps)
     y = None if bound is None else bound(x2)
     return None if y is None else y.view(x.shape)
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor | None:
+    """A gated MLP's activation for fp32 rows of its hidden ``h [M, 2F]`` (``[gate | up]``,
+    unit-stride rows, any M): ``silu(gate) * up`` written over the gate half, which is
+    returned (``h[:, :F]``); None, having done nothing, where the kernel does not take ``h``.
+    The form of the MoE kernels' activation (``common.h: silu_mul_row``); its reference is
+    ``F.silu(gate) * up`` (within a few ulps, not bit for bit)."""
+    ok = h.dim() == 2 and h.dtype == torch.float32 and h.device.type == "cpu"
+    if not (ok and h.stride(1) == 1 and h.shape[1] % 2 == 0 and available()):
+        return None
+    F = h.shape[1] // 2
+    _library().moeserve_silu_mul(h.shape[0], F, h.data_ptr(), h.stride(0))
+    return h[:, :F]
 
 
 class BoundRMSNorm:
