@@ -35,9 +35,16 @@
  * Measured (2 threads, Zen 5 EPYC VM, 32000 x 1024 from memory, group 128; the memory gave
  * int8 0.70-0.75 ms a call in that hour), AVX-512 VNNI: one token row 0.34 ms (52 GB/s)
  * against the lookup form's 0.36-0.40, and 2/4/16 rows 1.2-1.4x it; group 32 1.35x at one
- * row. One weight row at a time when there is one token row: four at a time (one stream per
- * row) gave 0.43 ms. In cache (256 x 4096, one thread): 80 Gweights/s against 53 at one row,
- * 138 against 109 at four. AVX2: see int4.c's header.
+ * row. That was one weight row at a time at one token row; four at a time (then with one
+ * prefetch 16 KB ahead) gave 0.43 ms there. In cache (256 x 4096, one thread): 80
+ * Gweights/s against 53 at one row, 138 against 109 at four. AVX2: see int4.c's header.
+ *
+ * One token row now runs idot_row1, four weight rows at a time: on the Xeon host (AMX, 2
+ * threads) the row-at-a-time form was bound by its instructions, not the memory: the
+ * benchmark model's MoE call took 182 us with its weights in L3 and 187 from memory, and one
+ * thread read 15 GB/s of 256-byte rows from L2, where a bare loop of the same dots runs at
+ * 32. idot_row1: 1.4x in L2, the MoE call 230 -> 193 us in the engine, the int4 decode step
+ * 1.125x (benchmarks/kernel_ab.py). Not measured again on the Zen 5 host.
  *
  * The code layout is int4.c's: 128 columns are 64 bytes of a row, four runs of 32 columns
  * with run j's columns 0..15 in the low nibbles of its 16 bytes and 16..31 in the high ones.
@@ -219,6 +226,7 @@ static inline __m256 izdot_avx2(const float *zr, const float *xs, int64_t ng) {
 #define IZDOT(zr, xs, ng) izdot_avx2(zr, xs, ng)
 #define IHSUM(v) hsum256(v)
 #define ILOADX(p) _mm256_load_si256((const __m256i *)(p))
+#define ILOADU(p) _mm256_loadu_si256((const __m256i *)(p))
 #define IAND(a, b) _mm256_and_si256(a, b)
 #define ISRL4(a) _mm256_srli_epi32(a, 4)
 #define INIB() _mm256_set1_epi8(15)
@@ -253,7 +261,7 @@ static inline __attribute__((always_inline)) __m256 iscales_avx2(const int G, co
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 #define ISFX _vnni
 #define CB 64
-#define INQ 4 /* weight rows at a time, from two token rows (one: a row at a time) */
+#define INQ 4 /* weight rows at a time, from two token rows (one: idot_row1, four too) */
 #define INB 4 /* token rows per block: 16 accumulators, 8 code and 4 scale vectors of 32 */
 typedef __m512 if_vnni;
 typedef __m512i ii_vnni;
@@ -278,6 +286,7 @@ static inline __m512 izdot_vnni(const float *zr, const float *xs, int64_t ng) {
 #define IHSUM(v) _mm512_reduce_add_ps(v)
 #define IHSUM4(a, b, c, d) hsum4_512(a, b, c, d)
 #define ILOADX(p) _mm512_load_si512(p)
+#define ILOADU(p) _mm512_loadu_si512(p)
 #define IAND(a, b) _mm512_and_si512(a, b)
 #define ISRL4(a) _mm512_srli_epi32(a, 4)
 #define INIB() _mm512_set1_epi8(15)
@@ -388,6 +397,59 @@ static inline __attribute__((always_inline)) void ICAT(idot_block, ISFX)(
     }
 }
 
+/* One rounded token row (xq, its scale c and group sums xs) against `rows` weight rows
+ * q + r * ldq (scales s + r * ng, s * zero sz + r * ng), four at a time: each step's token
+ * vectors loaded once for the four, whole steps' codes loaded without a mask, one reduction
+ * for the four where the ISA has it (IHSUM4); y[r] = dot. A quad past `rows` repeats row 0
+ * of the quad, not stored. In cache ~1.4x the rows one at a time (idot_block with one row:
+ * its accumulators, pointers and reduction per row). */
+static inline __attribute__((always_inline)) void ICAT(idot_row1, ISFX)(
+    const int G, int64_t K, const int8_t *xq, float c, const float *xs, const uint8_t *q,
+    int64_t ldq, const float *s, const float *sz, int64_t rows, float *y) {
+    const int64_t ng = K / G, whole = K / STEP * STEP;
+    const II low = INIB();
+    for (int64_t r = 0; r < rows; r += 4) {
+        const int nq = rows - r < 4 ? (int)(rows - r) : 4;
+        const uint8_t *qr[4];
+        const float *sr[4], *zr[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const int64_t rr = r + (k < nq ? k : 0);
+            qr[k] = q + rr * ldq;
+            sr[k] = s + rr * ng;
+            zr[k] = sz + rr * ng;
+        }
+        IF a[4] = {IFZERO(), IFZERO(), IFZERO(), IFZERO()};
+        for (int64_t c0 = 0; c0 < K; c0 += STEP) {
+            const int n = c0 < whole ? CB : (int)(K - c0) / 2;
+            const int8_t *xb = xq + c0 / 128 * XBLOCK + (c0 % 128) / 2;
+            const II x0 = ILOADX(xb), x1 = ILOADX(xb + 64), x2 = ILOADX(xb + 128);
+            const II x3 = ILOADX(xb + 192);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const II codes = n == CB ? ILOADU(qr[k] + c0 / 2) : ICODES(qr[k] + c0 / 2, n);
+                if ((c0 & 127) == 0) {
+                    PREFETCH_T0(qr[k] + c0 / 2 + IPREFETCH);
+                    PREFETCH_T1(qr[k] + c0 / 2 + IPREFETCH_FAR);
+                }
+                const II ul = IAND(codes, low), uh = IAND(ISRL4(codes), low);
+                const IF d = ICVT(IDOT2(ul, uh, x0, x1, x2, x3));
+                a[k] = IFMA(d, ISCALES(G, sr[k], c0, ng), a[k]);
+            }
+        }
+        float d[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) a[k] = ISUB(a[k], IZDOT(zr[k], xs, ng));
+#ifdef IHSUM4
+        _mm_storeu_ps(d, IHSUM4(a[0], a[1], a[2], a[3]));
+#else
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) d[k] = IHSUM(a[k]);
+#endif
+        for (int k = 0; k < nq; k++) y[r + k] = c * d[k];
+    }
+}
+
 /* All M rounded token rows against a panel of `rows` (<= PANEL) weight rows q + r * ldq with
  * their groups' scales and zero points at scale + r * K / G, zero + ... (zero NULL: every
  * zero point 8, int4.c's ISA_ZERO8); y[i, r]. */
@@ -403,15 +465,9 @@ static void ICAT(idot_panel, ISFX)(int64_t M, int64_t K, const int8_t *xq, const
     else /* every zero point 8 (ISA_ZERO8) */
         for (int64_t j = 0; j < rows * ng; j++) sz[j] = scale[j] * 8.0f;
     if (M == 1) {
-        /* the weight rows one at a time: each thread reads one sequential stream (measured
-         * with AVX-512, 2 threads, 32000 x 1024 from memory: ~1.3x four rows at a time) */
-        for (int64_t r = 0; r < rows; r++) {
-#define CALL_1(n, GC)                                                                       \
-    ICAT(idot_block, ISFX)(1, GC, 1, 1, K, xq, c, xs, q + r * ldq, ldq, scale + r * ng,     \
-                           sz + r * ng, y + r, ldy)
-            DISPATCH_G(G, 1, CALL_1);
+#define CALL_1(n, GC) ICAT(idot_row1, ISFX)(GC, K, xq, c[0], xs, q, ldq, scale, sz, rows, y)
+        DISPATCH_G(G, 1, CALL_1);
 #undef CALL_1
-        }
         return;
     }
     /* INQ weight rows at a time, each token vector feeding INQ products */
@@ -532,6 +588,7 @@ static int ICAT(moe_idot, ISFX)(int64_t n_groups, const int64_t *expert, const i
 #undef IHSUM
 #undef IHSUM4
 #undef ILOADX
+#undef ILOADU
 #undef IAND
 #undef ISRL4
 #undef INIB
