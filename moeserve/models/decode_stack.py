@@ -16,10 +16,12 @@ buffers of :class:`~moeserve.ops.cpu.residual.ResidualRows`::
 
 The bound calls of consecutive sublayers form one call chain (``ops/cpu/chain.py``), made
 from C in one ctypes call with this step's positions, cache slots and block table as its
-registers; a sublayer that runs as its module (a dense MLP, another attention, EP or TP, calls
-switched off by ``use_decode_calls(False)``) or from Python (experts whose ``run`` is more
-than one call) sits between two chains. The program is made once and again only when a
-layer's calls, a norm, the row count or a call's buffers change. The benchmark model's step
+registers; a sublayer that runs as its module (another attention, EP or TP, weights no kernel
+takes, calls switched off by ``use_decode_calls(False)``) or from Python (experts whose
+``run`` is more than one call) sits between two chains. The program is made once and again
+only when a layer's calls, a norm, the row count or a call's buffers change: what the layers'
+own checks compare, they also hand over as one flat guard (``ops/cpu/bound.py: Guard``),
+checked at the start of each step in place of those checks. The benchmark model's step
 is one chain (its dense first layer's MLP included).
 
 The numbers are the layers', bit for bit: the same kernels in the same order (the adds are
