@@ -18,9 +18,8 @@ from torch import nn
 
 from moeserve.distributed.groups import Axis
 from moeserve.models.weights import WeightSpec
-from moeserve.ops.cpu import fp32 as fp32_kernels
 from moeserve.ops.cpu.bound import Guard, calls_guard
-from moeserve.ops.cpu.mlp_decode import GatedMLPDecodeCalls
+from moeserve.ops.cpu.mlp_decode import GatedMLPDecodeCalls, silu_mul
 from moeserve.ops.linear import bind_gated_mlp_decode, linear
 
 _SINGLE = Axis.single("tp")
@@ -213,7 +212,7 @@ class GatedMLP(nn.Module):
             h = self.gate_up_proj(x)
             # the calls' activation where it applies (a prefill's rows: a few rows of a
             # prompt computed here or there, as a prefix-cache hit splits them, round alike)
-            a = None if calls is None else fp32_kernels.silu_mul(h)
+            a = None if calls is None else silu_mul(h)
             if a is None:
                 gate, up = h.split(self.intermediate, dim=-1)
                 a = F.silu(gate) * up

@@ -13,7 +13,7 @@ from moeserve.layers.linear import GatedMLP
 from moeserve.models.weight_format import apply_weight_format
 from moeserve.ops.cpu import chain
 from moeserve.ops.cpu import fp32 as fp32_kernels
-from moeserve.ops.cpu.mlp_decode import GatedMLPDecodeCalls
+from moeserve.ops.cpu.mlp_decode import GatedMLPDecodeCalls, silu_mul
 
 pytestmark = pytest.mark.skipif(not fp32_kernels.available(), reason="no C kernels here")
 
@@ -29,17 +29,17 @@ def test_silu_mul_is_the_silu_of_the_gate_times_up():
     big = torch.randn(rows, 2 * F_ + 5, generator=g) * 4
     big[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 1e-4, -30.0])
     before = big.clone()
-    out = fp32_kernels.silu_mul(big[:, : 2 * F_])
+    out = silu_mul(big[:, : 2 * F_])
     assert out.data_ptr() == big.data_ptr() and out.shape == (rows, F_)
     want = F.silu(before[:, :F_]) * before[:, F_ : 2 * F_]
     torch.testing.assert_close(out, want, rtol=4e-7, atol=1e-30)
     assert torch.equal(big[:, F_:], before[:, F_:])  # up and the columns past it untouched
-    assert fp32_kernels.silu_mul(torch.zeros(2, 7)) is None  # odd width: no gate/up halves
-    assert fp32_kernels.silu_mul(torch.zeros(4, 8).t()) is None  # strided rows
+    assert silu_mul(torch.zeros(2, 7)) is None  # odd width: no gate/up halves
+    assert silu_mul(torch.zeros(4, 8).t()) is None  # strided rows
     many = torch.randn(3000, 2 * F_, generator=g)  # over the threads: the same numbers
     want = F.silu(many[:, :F_]) * many[:, F_:]
-    torch.testing.assert_close(fp32_kernels.silu_mul(many), want, rtol=4e-7, atol=1e-30)
-    assert fp32_kernels.silu_mul(torch.zeros(2, 8, dtype=torch.float64)) is None
+    torch.testing.assert_close(silu_mul(many), want, rtol=4e-7, atol=1e-30)
+    assert silu_mul(torch.zeros(2, 8, dtype=torch.float64)) is None
 
 
 def _mlp(quantization: str | None, seed: int = 0) -> GatedMLP:
@@ -108,7 +108,7 @@ def test_more_rows_than_the_calls_take_keep_their_activation(monkeypatch):
         assert mlp.decode_calls()(x) is None
         many = mlp(x)
         h = mlp.gate_up_proj(x)
-        assert torch.equal(many, mlp.down_proj(fp32_kernels.silu_mul(h)))
+        assert torch.equal(many, mlp.down_proj(silu_mul(h)))
         mlp.use_decode_calls(False)
         ref = mlp(x)
     torch.testing.assert_close(many, ref, rtol=1e-4, atol=1e-5)

@@ -69,14 +69,9 @@ class Guard:
     @staticmethod
     def join(guards: Iterable[Guard]) -> Guard:
         """One guard that holds where each of ``guards`` holds."""
-        g = Guard()
-        for h in guards:
-            g.objs += h.objs
-            g.names += h.names
-            g.values += h.values
-            g.tensors += h.tensors
-            g.ptrs += h.ptrs
-        return Guard(zip(g.objs, g.names, g.values), tuple(zip(g.tensors, g.ptrs)))
+        guards = list(guards)
+        same = [item for g in guards for item in zip(g.objs, g.names, g.values)]
+        return Guard(same, tuple(p for g in guards for p in zip(g.tensors, g.ptrs)))
 
     def holds(self) -> bool:
         """Whether every attribute is still its recorded object and every tensor at its

@@ -352,20 +352,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return None if y is None else y.view(x.shape)
 
 
-def silu_mul(h: torch.Tensor) -> torch.Tensor | None:
-    """A gated MLP's activation for fp32 rows of its hidden ``h [M, 2F]`` (``[gate | up]``,
-    unit-stride rows, any M): ``silu(gate) * up`` written over the gate half, which is
-    returned (``h[:, :F]``); None, having done nothing, where the kernel does not take ``h``.
-    The form of the MoE kernels' activation (``common.h: silu_mul_row``); its reference is
-    ``F.silu(gate) * up`` (within a few ulps, not bit for bit)."""
-    ok = h.dim() == 2 and h.dtype == torch.float32 and h.device.type == "cpu"
-    if not (ok and h.stride(1) == 1 and h.shape[1] % 2 == 0 and available()):
-        return None
-    F = h.shape[1] // 2
-    _library().moeserve_silu_mul(h.shape[0], F, h.data_ptr(), h.stride(0))
-    return h[:, :F]
-
-
 class BoundRMSNorm:
     """:func:`rms_norm` for few fp32 rows with the weight's pointer derived once; None from
     :meth:`__call__` where the kernel does not apply (the caller then runs ``F.rms_norm``,

@@ -24,6 +24,20 @@ from moeserve.ops.cpu.bound import Pointers
 from moeserve.ops.cpu.chain import CallChain
 
 
+def silu_mul(h: torch.Tensor) -> torch.Tensor | None:
+    """A gated MLP's activation for fp32 rows of its hidden ``h [M, 2F]`` (``[gate | up]``,
+    unit-stride rows, any M): ``silu(gate) * up`` written over the gate half, which is
+    returned (``h[:, :F]``); None, having done nothing, where the kernel does not take ``h``.
+    The form of the MoE kernels' activation (``common.h: silu_mul_row``); its reference is
+    ``F.silu(gate) * up`` (within a few ulps, not bit for bit)."""
+    ok = h.dim() == 2 and h.dtype == torch.float32 and h.device.type == "cpu"
+    if not (ok and h.stride(1) == 1 and h.shape[1] % 2 == 0 and fp32_kernels.available()):
+        return None
+    F = h.shape[1] // 2
+    fp32_kernels._library().moeserve_silu_mul(h.shape[0], F, h.data_ptr(), h.stride(0))
+    return h[:, :F]
+
+
 class GatedMLPDecodeCalls:
     """The calls of the module docstring. ``gate_up`` and ``down`` are the bound projections
     (callables ``(x, out)`` with ``w``, ``kernel``, ``max_rows`` and ``pointers``:
